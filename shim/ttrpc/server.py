@@ -1,0 +1,183 @@
+"""An asyncio ttrpc server: one reader per connection, every request served concurrently.
+
+The server never dies of a client: a frame it cannot read closes that connection only,
+and every request that can be answered is answered with a status code.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Iterable
+
+from google.protobuf.message import DecodeError
+
+from shim.pb.ttrpc_pb2 import Request, Response
+
+from . import framing
+from .codes import Code
+from .errors import TtrpcError
+from .service import Context, Service
+
+log = logging.getLogger("podvm.ttrpc")
+
+
+class Server:
+    def __init__(self, services: Iterable[Service] = ()) -> None:
+        self._services: dict[str, Service] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+        for service in services:
+            self.register(service)
+
+    def register(self, service: Service) -> None:
+        self._services[service.name] = service
+
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on an already bound, listening unix socket (the shim's is made by `start`)."""
+        self._server = await asyncio.start_unix_server(self._serve_connection, sock=sock)
+
+    async def start_path(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._serve_connection, path=path)
+
+    async def close(self) -> None:
+        """Stop accepting and drop every connection; outstanding calls get no answer."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        conn = _Connection(self._services, reader, writer)
+        try:
+            await conn.run()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._connections.discard(task)
+            await conn.close()
+
+
+class _Connection:
+    def __init__(self, services: dict[str, Service], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self._services = services
+        self._reader = reader
+        self._writer = writer
+        self._last_stream_id = 0
+        self._calls: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                frame = await framing.read_frame(self._reader)
+            except asyncio.IncompleteReadError:
+                log.warning("ttrpc: connection closed in the middle of a frame")
+                return
+            except (ConnectionError, OSError) as exc:
+                log.debug("ttrpc: connection lost: %s", exc)
+                return
+            if frame is None:
+                return
+            if frame.oversized:
+                await self._send_status(frame.stream_id, Code.RESOURCE_EXHAUSTED,
+                                  f"message length {frame.oversized} exceeds the maximum "
+                                  f"message size of {framing.MAX_DATA}")
+                continue
+            if frame.type != framing.MessageType.REQUEST:
+                continue  # Data frames and unknown types: no unary service reads them.
+            if frame.stream_id % 2 != 1:
+                await self._send_status(frame.stream_id, Code.INVALID_ARGUMENT,
+                                  "stream id must be odd for client initiated streams")
+                continue
+            if frame.stream_id <= self._last_stream_id:
+                await self._send_status(frame.stream_id, Code.INVALID_ARGUMENT,
+                                  "stream id cannot be re-used and must increment")
+                continue
+            self._last_stream_id = frame.stream_id
+            call = asyncio.create_task(self._serve_request(frame.stream_id, frame.data))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def close(self) -> None:
+        for call in list(self._calls):
+            call.cancel()
+        await asyncio.gather(*self._calls, return_exceptions=True)
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+    async def _serve_request(self, stream_id: int, data: bytes) -> None:
+        try:
+            payload = await self._dispatch(data)
+        except TtrpcError as err:
+            await self._send_status(stream_id, err.code, err.message)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a handler bug must not take the connection down
+            log.exception("ttrpc: handler failed")
+            await self._send_status(stream_id, Code.UNKNOWN, f"{type(exc).__name__}: {exc}")
+            return
+        if len(payload) > framing.MAX_DATA - 16:
+            await self._send_status(stream_id, Code.RESOURCE_EXHAUSTED,
+                              f"response of {len(payload)} bytes exceeds the maximum "
+                              f"message size of {framing.MAX_DATA}")
+            return
+        await self._send(stream_id, Response(payload=payload).SerializeToString())
+
+    async def _dispatch(self, data: bytes) -> bytes:
+        try:
+            request = Request.FromString(data)
+        except DecodeError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}") from None
+        service = self._services.get(request.service)
+        if service is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"service {request.service}")
+        method = service.methods.get(request.method)
+        if method is None:
+            raise TtrpcError(Code.UNIMPLEMENTED, f"method {request.method}")
+        try:
+            message = method.request_type.FromString(request.payload)
+        except DecodeError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"cannot decode {method.request_type.DESCRIPTOR.full_name}: {exc}"
+                             ) from None
+        timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
+        ctx = Context(request.service, request.method,
+                      tuple((kv.key, kv.value) for kv in request.metadata), timeout)
+        if timeout is None:
+            reply = await method.handler(message, ctx)
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    reply = await method.handler(message, ctx)
+            except TimeoutError:
+                raise TtrpcError(Code.DEADLINE_EXCEEDED,
+                                 f"{request.service}/{request.method} did not finish within "
+                                 f"{timeout:.3f}s") from None
+        return reply.SerializeToString()
+
+    async def _send_status(self, stream_id: int, code: Code, message: str) -> None:
+        response = Response()
+        response.status.code = code
+        response.status.message = message
+        await self._send(stream_id, response.SerializeToString())
+
+    async def _send(self, stream_id: int, data: bytes) -> None:
+        if self._writer.is_closing():
+            return
+        self._writer.write(framing.encode(stream_id, framing.MessageType.RESPONSE, data))
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError):
+            pass  # the reader sees the same loss and ends the connection

@@ -1,0 +1,122 @@
+"""Unary calls as containerd makes them: round trips, concurrency, errors, timeouts."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from shim.pb.containerd.task.v2 import shim_pb2 as task
+from shim.ttrpc import Client, TtrpcError
+from shim.ttrpc.codes import Code
+from shim.ttrpc.framing import MAX_DATA
+
+from .conftest import SERVICE
+
+
+async def test_unary_round_trip(client: Client) -> None:
+    resp = await client.call(SERVICE, "State", task.StateRequest(id="abc", exec_id="e1"),
+                             task.StateResponse)
+    assert (resp.id, resp.exec_id) == ("abc", "e1")
+
+
+async def test_namespace_metadata_reaches_the_handler(server, socket_path: str) -> None:
+    async with await Client.connect(
+            socket_path, metadata=[("containerd-namespace-ttrpc", "k8s.io"),
+                                   ("otel-trace", "x")]) as c:
+        await c.call(SERVICE, "State", task.StateRequest(id="a"), task.StateResponse)
+    assert server.impl.seen_namespaces == ["k8s.io"]
+
+
+async def test_served_under_the_v3_name_too(socket_path: str) -> None:
+    from shim.ttrpc import Server, bind
+    from .conftest import EchoTask
+
+    impl = EchoTask()
+    desc = task.DESCRIPTOR.services_by_name["Task"]
+    srv = Server([bind(desc, impl), bind(desc, impl, name="containerd.task.v3.Task")])
+    await srv.start_path(socket_path)
+    try:
+        async with await Client.connect(socket_path) as c:
+            resp = await c.call("containerd.task.v3.Task", "State", task.StateRequest(id="v3"),
+                                task.StateResponse)
+            assert resp.id == "v3"
+    finally:
+        await srv.close()
+
+
+async def test_100_concurrent_calls_are_matched_by_stream_id(client: Client) -> None:
+    delays = [random.randint(0, 50) for _ in range(100)]
+    calls = [client.call(SERVICE, "Wait", task.WaitRequest(id=str(i), exec_id=str(d)),
+                         task.WaitResponse) for i, d in enumerate(delays)]
+    responses = await asyncio.gather(*calls)
+    assert [r.exit_status for r in responses] == delays
+
+
+async def test_unknown_service_and_method_are_unimplemented(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call("no.such.Service", "State", task.StateRequest(), task.StateResponse)
+    assert err.value.code == Code.UNIMPLEMENTED and "no.such.Service" in err.value.message
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Frobnicate", task.StateRequest(), task.StateResponse)
+    assert err.value.code == Code.UNIMPLEMENTED and "Frobnicate" in err.value.message
+    # Create exists in the proto but the test service does not implement it.
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Create", task.CreateTaskRequest(), task.CreateTaskResponse)
+    assert err.value.code == Code.UNIMPLEMENTED
+
+
+async def test_undecodable_payload_is_invalid_argument(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call_raw(SERVICE, "State", b"\xff\xff\xff\xff")
+    assert err.value.code == Code.INVALID_ARGUMENT
+    # The connection is still usable.
+    resp = await client.call(SERVICE, "State", task.StateRequest(id="ok"), task.StateResponse)
+    assert resp.id == "ok"
+
+
+async def test_handler_errors_carry_their_code(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Kill", task.KillRequest(id="gone"), task.StateResponse)
+    assert err.value.code == Code.NOT_FOUND and "gone" in err.value.message
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Pids", task.PidsRequest(id="x"), task.PidsResponse)
+    assert err.value.code == Code.UNKNOWN and "handler bug" in err.value.message
+
+
+async def test_timeout_is_deadline_exceeded(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Wait", task.WaitRequest(exec_id="2000"), task.WaitResponse,
+                          timeout=0.05)
+    assert err.value.code == Code.DEADLINE_EXCEEDED
+    fast = await client.call(SERVICE, "Wait", task.WaitRequest(exec_id="1"), task.WaitResponse,
+                             timeout=5)
+    assert fast.exit_status == 1
+
+
+async def test_oversized_response_is_resource_exhausted(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call(SERVICE, "Stats", task.StatsRequest(id=str(MAX_DATA)),
+                          task.StatsResponse)
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+    ok = await client.call(SERVICE, "Stats", task.StatsRequest(id="10"), task.StatsResponse)
+    assert ok.stats.value == b"x" * 10
+
+
+async def test_oversized_request_is_refused_by_the_client(client: Client) -> None:
+    with pytest.raises(TtrpcError) as err:
+        await client.call_raw(SERVICE, "State", b"x" * MAX_DATA)
+    assert err.value.code == Code.RESOURCE_EXHAUSTED
+
+
+async def test_server_close_fails_outstanding_calls(server, socket_path: str) -> None:
+    from shim.ttrpc import ConnectionClosed
+
+    c = await Client.connect(socket_path)
+    pending = asyncio.create_task(
+        c.call(SERVICE, "Wait", task.WaitRequest(exec_id="5000"), task.WaitResponse))
+    await asyncio.sleep(0.05)
+    await server.close()
+    with pytest.raises(ConnectionClosed):
+        await pending
+    await c.close()
