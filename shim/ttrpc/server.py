@@ -155,16 +155,17 @@ class _Connection:
         timeout = request.timeout_nano / 1e9 if request.timeout_nano > 0 else None
         ctx = Context(request.service, request.method,
                       tuple((kv.key, kv.value) for kv in request.metadata), timeout)
-        if timeout is None:
-            reply = await method.handler(message, ctx)
-        else:
-            try:
-                async with asyncio.timeout(timeout):
-                    reply = await method.handler(message, ctx)
-            except TimeoutError:
-                raise TtrpcError(Code.DEADLINE_EXCEEDED,
-                                 f"{request.service}/{request.method} did not finish within "
-                                 f"{timeout:.3f}s") from None
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await method.handler(message, ctx)
+        except TimeoutError:
+            raise TtrpcError(Code.DEADLINE_EXCEEDED,
+                             f"{request.service}/{request.method} did not finish within "
+                             f"{timeout:.3f}s") from None
+        except TtrpcError as err:
+            log.info("%s/%s answered %s: %s", request.service, request.method,
+                     err.code.name, err.message)
+            raise
         return reply.SerializeToString()
 
     async def _send_status(self, stream_id: int, code: Code, message: str) -> None:

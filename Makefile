@@ -1,0 +1,83 @@
+# podvm. `make demo` runs the main job, `make test` runs every test; each installs what
+# it needs first and is safe to run again.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PREFIX ?= /opt/podvm
+BINDIR ?= /usr/local/bin
+CONFDIR ?= /etc/podvm
+
+# Debian packages: the runtime's own needs, then what the tests add.
+RUNTIME_DEBS := containerd runc python3-venv
+TEST_DEBS := $(RUNTIME_DEBS) busybox-static
+
+STAMP := $(VENV)/.podvm-installed
+SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)
+
+.PHONY: help deps test-deps venv gen install uninstall test bench demo clean
+
+help:
+	@echo "make demo       run the demo on a private containerd (installs what it needs)"
+	@echo "make test       run every test (installs what it needs)"
+	@echo "make install    install podvm for the system's containerd"
+	@echo "make uninstall  remove what make install put in place (keeps $(CONFDIR))"
+	@echo "make bench      print the benchmarks' figures"
+	@echo "make gen        regenerate the protobuf modules (shim/pb)"
+
+deps:
+	@$(call apt_install,$(RUNTIME_DEBS))
+
+test-deps:
+	@$(call apt_install,$(TEST_DEBS))
+
+# Install Debian packages that are missing; `apt-get update` only when something is.
+define apt_install
+	missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -q && apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+endef
+
+venv: $(STAMP)
+
+$(STAMP): $(SOURCES) | test-deps
+	@[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q grpcio-tools
+	$(VENV)/bin/python protos/generate.py
+	$(VENV)/bin/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	@touch $@
+
+gen: $(STAMP)
+	$(VENV)/bin/python protos/generate.py
+
+install: deps
+	@[ -x $(PREFIX)/venv/bin/python ] || $(PYTHON) -m venv $(PREFIX)/venv
+	$(PREFIX)/venv/bin/pip install -q --upgrade pip
+	$(PREFIX)/venv/bin/pip install -q .
+	ln -sf $(PREFIX)/venv/bin/containerd-shim-podvm-v2 $(BINDIR)/containerd-shim-podvm-v2
+	ln -sf $(PREFIX)/venv/bin/podvmctl $(BINDIR)/podvmctl
+	@mkdir -p $(CONFDIR)
+	@if [ -e $(CONFDIR)/configuration.toml ]; then \
+		echo "keeping existing $(CONFDIR)/configuration.toml"; \
+	else install -m 0644 packaging/configuration.toml $(CONFDIR)/configuration.toml; \
+		echo "installed $(CONFDIR)/configuration.toml"; fi
+	@echo "podvm installed: $(BINDIR)/containerd-shim-podvm-v2 -> $(PREFIX)/venv"
+
+uninstall:
+	rm -f $(BINDIR)/containerd-shim-podvm-v2 $(BINDIR)/podvmctl
+	rm -rf $(PREFIX)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/python bench/ttrpc_bench.py
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m tests.e2e.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info shim/pb .pytest_cache .hypothesis

@@ -1,0 +1,149 @@
+"""The podvm configuration: TOML with Kata's section and key names where Kata has the
+same setting, plus podvm's own keys. A file may set only some keys; the rest keep their
+defaults. Unknown keys and bad values fail with the key and the file named."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_PATH = "/etc/podvm/configuration.toml"
+ENV_PATH = "PODVM_CONFIG"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QemuConfig:
+    path: str = "/usr/bin/qemu-system-x86_64"
+    kernel: str = "/usr/share/podvm/vmlinux"
+    initrd: str = "/usr/share/podvm/initrd.img"
+    accel: str = "kvm"
+    default_vcpus: int = 1
+    default_memory: int = 2048
+    default_maxvcpus: int = 0
+    default_maxmemory: int = 0
+    enable_annotations: tuple[str, ...] = ()
+    boot_timeout: int = 30
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    sandbox_cgroup_only: bool = True
+    static_sandbox_resource_mgmt: bool = False
+    enable_vcpus_pinning: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    qemu: QemuConfig = field(default_factory=QemuConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    source: str = "(built-in defaults)"
+
+
+# section in the file -> attribute of Config
+_SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
+_ACCELS = ("kvm", "tcg")
+
+
+def find(options_config_path: str = "") -> str | None:
+    """The file to read: containerd's runtime options, then $PODVM_CONFIG, then the
+    system file. None means built-in defaults (no system file installed)."""
+    if options_config_path:
+        return options_config_path
+    if os.environ.get(ENV_PATH):
+        return os.environ[ENV_PATH]
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
+def load(options_config_path: str = "") -> Config:
+    path = find(options_config_path)
+    if path is None:
+        return Config()
+    import tomllib  # only when a container is created, not in the idle daemon
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse(data, path)
+
+
+def parse(data: dict[str, Any], source: str) -> Config:
+    config = Config(source=source)
+    for top, value in data.items():
+        if top == "hypervisor" and isinstance(value, dict):
+            for name, section in value.items():
+                config = _apply(config, f"hypervisor.{name}", section, source)
+        else:
+            config = _apply(config, top, value, source)
+    _check(config, source)
+    return config
+
+
+def _apply(config: Config, section: str, values: Any, source: str) -> Config:
+    attr = _SECTIONS.get(section)
+    if attr is None:
+        known = ", ".join(f"[{s}]" for s in _SECTIONS)
+        raise ConfigError(f"{source}: unknown section [{section}] (podvm knows {known})")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table")
+    current = getattr(config, attr)
+    types = {f.name: f.type for f in fields(current)}
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in types:
+            raise ConfigError(f"{source}: unknown key {key!r} in [{section}] "
+                              f"(known: {', '.join(sorted(types))})")
+        changes[key] = _coerce(section, key, value, types[key], source)
+    return replace(config, **{attr: replace(current, **changes)})
+
+
+def _coerce(section: str, key: str, value: Any, type_: str, source: str) -> Any:
+    where = f"{source}: [{section}] {key}"
+    if type_ == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if type_ == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if type_ == "str":
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    if type_ == "tuple[str, ...]":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    raise AssertionError(f"no coercion for {type_}")
+
+
+def _check(config: Config, source: str) -> None:
+    q = config.qemu
+    where = f"{source}: [hypervisor.qemu]"
+    if q.accel not in _ACCELS:
+        raise ConfigError(f"{where} accel must be one of {', '.join(_ACCELS)}, got {q.accel!r}")
+    if q.default_vcpus < 1:
+        raise ConfigError(f"{where} default_vcpus must be at least 1, got {q.default_vcpus}")
+    if q.default_memory < 64:
+        raise ConfigError(f"{where} default_memory is in MiB and must be at least 64, "
+                          f"got {q.default_memory}")
+    if q.default_maxvcpus < 0 or (q.default_maxvcpus and q.default_maxvcpus < q.default_vcpus):
+        raise ConfigError(f"{where} default_maxvcpus must be 0 (host CPUs) or at least "
+                          f"default_vcpus ({q.default_vcpus}), got {q.default_maxvcpus}")
+    if q.default_maxmemory < 0 or (q.default_maxmemory
+                                   and q.default_maxmemory < q.default_memory):
+        raise ConfigError(f"{where} default_maxmemory must be 0 (host memory) or at least "
+                          f"default_memory ({q.default_memory}), got {q.default_maxmemory}")
+    if q.boot_timeout < 1:
+        raise ConfigError(f"{where} boot_timeout must be at least 1 second, "
+                          f"got {q.boot_timeout}")

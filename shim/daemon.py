@@ -1,0 +1,79 @@
+"""The shim daemon: serves the Task API for one pod on the socket `start` bound."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from . import cleanup, log as shimlog, paths
+from .events import Publisher
+from .flags import Flags
+from .pb.containerd.task.v2 import shim_pb2
+from .task.service import TaskService
+from .ttrpc import Server, bind
+
+log = logging.getLogger("podvm.shim")
+
+SOCKET_FD = 3
+TASK_SERVICES = ("containerd.task.v2.Task", "containerd.task.v3.Task")
+
+
+def serve(flags: Flags) -> int:
+    _open_log_fifo(os.path.join(flags.bundle_dir, "log"))
+    shimlog.setup(flags.debug, id=flags.id, namespace=flags.namespace)
+    try:
+        sock = socket.socket(fileno=SOCKET_FD)
+    except OSError:
+        log.error("no listening socket on fd %d: the daemon is started by `start`", SOCKET_FD)
+        return 1
+    try:
+        asyncio.run(_serve(flags, sock))
+    except Exception:
+        log.exception("shim daemon failed")
+        return 1
+    return 0
+
+
+async def _serve(flags: Flags, sock: socket.socket) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    publisher = Publisher(flags.namespace, os.environ.get("TTRPC_ADDRESS", ""),
+                          flags.publish_binary, flags.address)
+    tasks = TaskService(publisher, shutdown=lambda: loop.call_soon(stop.set))
+    descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
+    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES])
+    await server.start(sock)
+    log.info("serving %s on %s (pid %d)", "/".join(TASK_SERVICES), flags.socket, os.getpid())
+    started = time.monotonic()
+    await stop.wait()
+    log.info("shim exiting after %.1fs", time.monotonic() - started)
+    await server.close()
+    await publisher.close()
+    group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
+    cleanup.remove_shim_state(flags.namespace, group, flags.socket)
+
+
+def _open_log_fifo(path: str) -> None:
+    """containerd reads `<bundle>/log` (a FIFO) into its own log: make it our stderr."""
+    for _ in range(50):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: containerd has not opened its end yet
+                return
+            time.sleep(0.02)
+            continue
+        os.set_blocking(fd, True)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
+        return

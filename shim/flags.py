@@ -1,0 +1,94 @@
+"""The shim's command line, exactly as containerd writes it: Go-style single-dash flags
+before an optional subcommand (`start`, `delete`; none = serve as the daemon)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+USAGE = """\
+usage: containerd-shim-podvm-v2 [flags] [start|delete]
+
+containerd runs this binary for the runtime type io.containerd.podvm.v2; people rarely do.
+
+subcommands:
+  start     start (or reuse) the shim daemon of the container's pod and print its address
+  delete    clean up after a container whose shim is gone; prints a DeleteResponse
+  (none)    serve as the shim daemon (what `start` runs, with the socket on fd 3)
+
+flags:
+  -namespace NS        containerd namespace of the container
+  -id ID               container id
+  -address PATH        containerd's gRPC socket
+  -publish-binary EXE  containerd binary used to publish events when ttrpc is unavailable
+  -bundle PATH         OCI bundle directory (default: the working directory)
+  -socket ADDR         the daemon's own ttrpc address (set by `start`)
+  -debug               log at debug level
+  -v, -version         print the version and exit
+  -h, -help            print this help and exit
+"""
+
+_VALUE_FLAGS = {"namespace", "id", "address", "publish-binary", "bundle", "socket"}
+_BOOL_FLAGS = {"debug", "v", "version", "h", "help"}
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Flags:
+    namespace: str = ""
+    id: str = ""
+    address: str = ""
+    publish_binary: str = ""
+    bundle: str = ""
+    socket: str = ""
+    debug: bool = False
+    version: bool = False
+    help: bool = False
+    action: str = "serve"
+
+    @property
+    def bundle_dir(self) -> str:
+        return self.bundle or os.getcwd()
+
+    def daemon_argv(self, socket_address: str) -> list[str]:
+        """The flags `start` hands to the daemon it spawns."""
+        argv = ["-namespace", self.namespace, "-id", self.id, "-address", self.address,
+                "-publish-binary", self.publish_binary, "-bundle", self.bundle_dir,
+                "-socket", socket_address]
+        return argv + (["-debug"] if self.debug else [])
+
+
+def parse(argv: list[str]) -> Flags:
+    flags = Flags()
+    values: dict[str, object] = {}
+    args = iter(argv)
+    rest: list[str] = []
+    for arg in args:
+        if not arg.startswith("-") or arg in ("-", "--"):
+            rest.append(arg)
+            rest.extend(args)
+            break
+        name, eq, value = arg.lstrip("-").partition("=")
+        if name in _BOOL_FLAGS:
+            values[name] = value.lower() not in ("false", "0") if eq else True
+        elif name in _VALUE_FLAGS:
+            if not eq:
+                try:
+                    value = next(args)
+                except StopIteration:
+                    raise UsageError(f"flag needs an argument: -{name}") from None
+            values[name.replace("-", "_")] = value
+        else:
+            raise UsageError(f"flag provided but not defined: -{name}")
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if len(rest) > 1:
+        raise UsageError(f"unexpected arguments after {rest[0]}: {' '.join(rest[1:])}")
+    if rest and rest[0] not in ("start", "delete"):
+        raise UsageError(f"unknown subcommand {rest[0]!r}: expected start or delete")
+    version = bool(values.pop("v", False) or values.pop("version", False))
+    help_ = bool(values.pop("h", False) or values.pop("help", False))
+    return replace(flags, **values, version=version, help=help_,  # type: ignore[arg-type]
+                   action=rest[0] if rest else "serve")

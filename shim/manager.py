@@ -1,0 +1,127 @@
+"""The shim process contract: `start` (find or spawn the pod's daemon) and `delete`.
+
+`start` sits on containerd's critical path for every container, so this module only
+imports the standard library's light parts; the daemon loads the rest after it detaches.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+from . import paths
+from .flags import Flags
+
+SHIM_STATE = "shim.json"
+
+
+def start(flags: Flags) -> int:
+    bundle = flags.bundle_dir
+    group = paths.group_id(paths.read_spec(bundle), flags.id)
+    address = paths.socket_address(flags.address, flags.namespace, group)
+    sock = _bind(paths.socket_path(address))
+    if sock is None:  # the pod's daemon is alive and serves this container too
+        _write_address(bundle, address)
+        sys.stdout.write(address)
+        return 0
+    try:
+        pid = _spawn_daemon(flags, address, sock)
+    except BaseException:
+        sock.close()
+        os.unlink(paths.socket_path(address))
+        raise
+    sock.close()
+    _write_state(flags.namespace, group, {"pid": pid, "address": address, "bundle": bundle,
+                                          "id": flags.id})
+    _write_address(bundle, address)
+    sys.stdout.write(address)
+    return 0
+
+
+def _bind(path: str) -> socket.socket | None:
+    """A listening socket at `path`, or None when a live daemon already listens there."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            sock.close()
+            raise
+        if _accepts(path):
+            sock.close()
+            return None
+        os.unlink(path)  # stale: its daemon died without cleaning up
+        sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def _accepts(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _spawn_daemon(flags: Flags, address: str, sock: socket.socket) -> int:
+    """The daemon: own session and process group, not holding containerd's pipes,
+    the listening socket as fd 3."""
+    argv = [sys.executable, os.path.abspath(sys.argv[0]), *flags.daemon_argv(address)]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
+                   (os.POSIX_SPAWN_DUP2, devnull, 2), (os.POSIX_SPAWN_DUP2, sock.fileno(), 3)]
+        return os.posix_spawn(sys.executable, argv, os.environ, file_actions=actions,
+                              setsid=True)
+    finally:
+        os.close(devnull)
+
+
+def _write_address(bundle: str, address: str) -> None:
+    _write_atomic(os.path.join(bundle, "address"), address.encode())
+
+
+def _write_state(namespace: str, group: str, state: dict) -> None:
+    directory = paths.state_dir(namespace, group)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _write_atomic(os.path.join(directory, SHIM_STATE), json.dumps(state).encode())
+
+
+def read_state(namespace: str, group: str) -> dict | None:
+    try:
+        with open(os.path.join(paths.state_dir(namespace, group), SHIM_STATE), "rb") as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def delete(flags: Flags) -> int:
+    """Clean up after a container whose daemon is gone (or never answered), from the
+    persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says)."""
+    from .cleanup import cleanup_container
+    from .pb.containerd.task.v2.shim_pb2 import DeleteResponse
+
+    bundle = flags.bundle_dir
+    cleanup_container(flags.namespace, flags.id, bundle)
+    response = DeleteResponse(exit_status=128 + signal.SIGKILL)
+    response.exited_at.FromNanoseconds(time.time_ns())
+    sys.stdout.buffer.write(response.SerializeToString())
+    sys.stdout.flush()
+    return 0

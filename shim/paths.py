@@ -1,0 +1,42 @@
+"""Where a shim's things live: its socket, its state, its pod grouping.
+
+Kept free of heavy imports: `start` runs on containerd's critical path.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+SOCKET_DIR = "/run/containerd/s"
+STATE_ROOT = "/run/podvm"
+SANDBOX_ID_ANNOTATION = "io.kubernetes.cri.sandbox-id"
+
+
+def read_spec(bundle: str) -> dict | None:
+    """The bundle's OCI spec, or None when there is none (containerd 2.x sandbox bundles)."""
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def group_id(spec: dict | None, container_id: str) -> str:
+    """Containers of one pod share a shim: the pod's sandbox id, else the container's own."""
+    annotations = (spec or {}).get("annotations") or {}
+    return annotations.get(SANDBOX_ID_ANNOTATION) or container_id
+
+
+def socket_address(grpc_address: str, namespace: str, group: str) -> str:
+    import hashlib  # not needed by the daemon, which only reads its address
+
+    digest = hashlib.sha256(f"{grpc_address}/{namespace}/{group}".encode()).hexdigest()
+    return f"unix://{SOCKET_DIR}/{digest}"
+
+
+def socket_path(address: str) -> str:
+    return address.removeprefix("unix://")
+
+
+def state_dir(namespace: str, group: str) -> str:
+    return os.path.join(STATE_ROOT, namespace, group)

@@ -1,0 +1,50 @@
+"""Running the real shim binary the way containerd does."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+SHIM = str(pathlib.Path(sys.executable).parent / "containerd-shim-podvm-v2")
+
+
+def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = None,
+                log_fifo: bool = False) -> pathlib.Path:
+    bundle = root / container_id
+    (bundle / "rootfs").mkdir(parents=True)
+    annotations = {"io.kubernetes.cri.container-type": "sandbox" if sandbox_id in (
+        None, container_id) else "container"}
+    if sandbox_id:
+        annotations["io.kubernetes.cri.sandbox-id"] = sandbox_id
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2",
+                                                    "annotations": annotations}))
+    if log_fifo:
+        os.mkfifo(bundle / "log")
+    return bundle
+
+
+def run_shim(bundle: pathlib.Path, container_id: str, action: str, grpc_address: str,
+             namespace: str = "podvm-test", timeout: float = 10,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    argv = [SHIM, "-namespace", namespace, "-address", grpc_address,
+            "-publish-binary", "/usr/bin/containerd", "-id", container_id]
+    if action:
+        argv.append(action)
+    return subprocess.run(argv, cwd=bundle, capture_output=True, timeout=timeout,
+                          env=env if env is not None else dict(os.environ),
+                          stdin=subprocess.DEVNULL)
+
+
+def daemon_pid(namespace: str, group: str) -> int:
+    state = json.loads(pathlib.Path(f"/run/podvm/{namespace}/{group}/shim.json").read_text())
+    return state["pid"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(b")", 1)[1].split()[0] != b"Z"

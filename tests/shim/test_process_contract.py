@@ -1,0 +1,205 @@
+"""The shim binary's contract with containerd (protocol.md section 2), on the real binary."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import re
+import signal
+import stat
+import time
+
+import pytest
+
+from shim.pb.containerd.task.v2 import shim_pb2 as api
+from shim.ttrpc import Client, Code, TtrpcError
+
+from .shimproc import SHIM, alive, daemon_pid, make_bundle, run_shim
+
+TASK = "containerd.task.v2.Task"
+NS = "podvm-test"
+
+
+@pytest.fixture
+def grpc_address(tmp_path: pathlib.Path) -> str:
+    """A containerd address unique to the test, so its shim sockets are too."""
+    return str(tmp_path / "containerd.sock")
+
+
+@pytest.fixture
+def started(tmp_path, grpc_address):
+    """A sandbox's daemon started through `start`; killed and cleaned up afterwards."""
+    bundle = make_bundle(tmp_path, "sb1", sandbox_id="sb1")
+    result = run_shim(bundle, "sb1", "start", grpc_address)
+    assert result.returncode == 0, result.stderr
+    yield bundle, result.stdout.decode()
+    run_shim(bundle, "sb1", "delete", grpc_address)
+
+
+async def wait_gone(pid: int, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not alive(pid), f"shim daemon {pid} still running"
+
+
+def test_start_prints_only_the_address_and_detaches(started) -> None:
+    bundle, address = started
+    assert re.fullmatch(r"unix:///run/containerd/s/[0-9a-f]{64}", address)
+    assert (bundle / "address").read_text() == address
+    path = address.removeprefix("unix://")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    pid = daemon_pid(NS, "sb1")
+    assert alive(pid)
+    assert os.getpgid(pid) == pid and os.getsid(pid) == pid  # own group and session
+    fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1)}
+    assert fds == {"/dev/null"}
+
+
+def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -> None:
+    _, address = started
+    pid = daemon_pid(NS, "sb1")
+    workload = make_bundle(tmp_path, "c1", sandbox_id="sb1")
+    result = run_shim(workload, "c1", "start", grpc_address)
+    assert result.returncode == 0 and result.stdout.decode() == address
+    assert (workload / "address").read_text() == address
+    assert daemon_pid(NS, "sb1") == pid
+    other = make_bundle(tmp_path, "sb2", sandbox_id="sb2")
+    result = run_shim(other, "sb2", "start", grpc_address)
+    assert result.stdout.decode() != address
+    run_shim(other, "sb2", "delete", grpc_address)
+
+
+def test_stale_socket_is_replaced(tmp_path, grpc_address) -> None:
+    bundle = make_bundle(tmp_path, "sb1", sandbox_id="sb1")
+    first = run_shim(bundle, "sb1", "start", grpc_address).stdout.decode()
+    pid = daemon_pid(NS, "sb1")
+    os.kill(pid, signal.SIGKILL)  # dies without removing its socket
+    while alive(pid):
+        time.sleep(0.01)
+    path = first.removeprefix("unix://")
+    assert os.path.exists(path)
+    again = run_shim(bundle, "sb1", "start", grpc_address)
+    assert again.returncode == 0 and again.stdout.decode() == first
+    assert daemon_pid(NS, "sb1") != pid and alive(daemon_pid(NS, "sb1"))
+    run_shim(bundle, "sb1", "delete", grpc_address)
+
+
+async def test_task_api_before_any_create(started) -> None:
+    bundle, address = started
+    pid = daemon_pid(NS, "sb1")
+    async with await Client.connect(address,
+                                    metadata=[("containerd-namespace-ttrpc", NS)]) as c:
+        for service in (TASK, "containerd.task.v3.Task"):
+            resp = await c.call(service, "Connect", api.ConnectRequest(id="sb1"),
+                                api.ConnectResponse)
+            assert resp.shim_pid == pid and resp.task_pid == 0 and resp.version
+        for method, request in [("State", api.StateRequest(id="nope")),
+                                ("Delete", api.DeleteRequest(id="nope")),
+                                ("Kill", api.KillRequest(id="nope", signal=9)),
+                                ("Start", api.StartRequest(id="nope")),
+                                ("Wait", api.WaitRequest(id="nope")),
+                                ("Pids", api.PidsRequest(id="nope"))]:
+            with pytest.raises(TtrpcError) as err:
+                await c.call(TASK, method, request, api.StateResponse)
+            assert err.value.code == Code.NOT_FOUND and "nope" in err.value.message, method
+
+
+async def test_create_answers_clearly(started, tmp_path) -> None:
+    bundle, address = started
+    bad_config = tmp_path / "bad.toml"
+    bad_config.write_text("[hypervisor.qemu]\ndefault_vcpus = -1\n")
+    from shim.pb.containerd.runtimeoptions.v1.api_pb2 import Options
+
+    async with await Client.connect(address) as c:
+        with pytest.raises(TtrpcError) as err:
+            await c.call(TASK, "Create", api.CreateTaskRequest(id="sb1", bundle="/nonexistent"),
+                         api.CreateTaskResponse)
+        assert err.value.code == Code.INVALID_ARGUMENT and "/nonexistent" in err.value.message
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(TtrpcError) as err:
+            await c.call(TASK, "Create", api.CreateTaskRequest(id="sb1",
+                                                               bundle=str(tmp_path / "empty")),
+                         api.CreateTaskResponse)
+        assert err.value.code == Code.INVALID_ARGUMENT and "config.json" in err.value.message
+        req = api.CreateTaskRequest(id="sb1", bundle=str(bundle))
+        req.options.Pack(Options(config_path=str(bad_config)))
+        assert req.options.type_url.endswith("runtimeoptions.v1.Options")
+        with pytest.raises(TtrpcError) as err:
+            await c.call(TASK, "Create", req, api.CreateTaskResponse)
+        assert err.value.code == Code.INVALID_ARGUMENT
+        assert "default_vcpus" in err.value.message and str(bad_config) in err.value.message
+        with pytest.raises(TtrpcError) as err:
+            await c.call(TASK, "Create", api.CreateTaskRequest(id="sb1", bundle=str(bundle)),
+                         api.CreateTaskResponse)
+        assert err.value.code == Code.UNIMPLEMENTED and "no VM backend" in err.value.message
+        # Nothing was half-made: the container does not exist.
+        with pytest.raises(TtrpcError) as err:
+            await c.call(TASK, "State", api.StateRequest(id="sb1"), api.StateResponse)
+        assert err.value.code == Code.NOT_FOUND
+    assert not os.path.ismount(bundle / "rootfs")
+
+
+async def test_shutdown_exits_and_cleans_up(started) -> None:
+    bundle, address = started
+    pid = daemon_pid(NS, "sb1")
+    async with await Client.connect(address) as c:
+        try:
+            await c.call(TASK, "Shutdown", api.ShutdownRequest(id="sb1"), api.StateResponse)
+        except Exception:
+            pass  # a connection closed during Shutdown is success for containerd
+    await wait_gone(pid)
+    assert not os.path.exists(address.removeprefix("unix://"))
+    assert not os.path.exists(f"/run/podvm/{NS}/sb1")
+
+
+def test_delete_after_a_lost_daemon(started, grpc_address) -> None:
+    bundle, address = started
+    pid = daemon_pid(NS, "sb1")
+    result = run_shim(bundle, "sb1", "delete", grpc_address)
+    assert result.returncode == 0, result.stderr
+    response = api.DeleteResponse.FromString(result.stdout)
+    assert response.exit_status == 137 and response.exited_at.seconds > 0
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(pid)
+    assert not os.path.exists(address.removeprefix("unix://"))
+    assert not os.path.exists(f"/run/podvm/{NS}/sb1")
+    again = run_shim(bundle, "sb1", "delete", grpc_address)  # idempotent
+    assert again.returncode == 0
+    assert api.DeleteResponse.FromString(again.stdout).exit_status == 137
+
+
+def test_daemon_logs_structured_lines_to_the_log_fifo(tmp_path, grpc_address) -> None:
+    bundle = make_bundle(tmp_path, "sb1", sandbox_id="sb1", log_fifo=True)
+    reader = os.open(bundle / "log", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert run_shim(bundle, "sb1", "start", grpc_address).returncode == 0
+        data = b""
+        deadline = time.monotonic() + 10
+        while b"\n" not in data and time.monotonic() < deadline:
+            try:
+                data += os.read(reader, 65536)
+            except BlockingIOError:
+                time.sleep(0.02)
+        line = data.decode().splitlines()[0]
+        assert re.match(r'time="[^"]+Z" level=info msg=', line), line
+        assert "id=sb1" in line and f"namespace={NS}" in line
+    finally:
+        run_shim(bundle, "sb1", "delete", grpc_address)
+        os.close(reader)
+
+
+def test_version_help_and_bad_flags(tmp_path) -> None:
+    import subprocess
+
+    v = subprocess.run([SHIM, "-v"], capture_output=True, text=True)
+    assert v.returncode == 0 and "Version:" in v.stdout
+    h = subprocess.run([SHIM, "--help"], capture_output=True, text=True)
+    assert h.returncode == 0 and "start" in h.stdout and "delete" in h.stdout
+    bad = subprocess.run([SHIM, "-bogus", "start"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "-bogus" in bad.stderr
+    lonely = subprocess.run([SHIM, "-id", "x"], capture_output=True, text=True, cwd=tmp_path)
+    assert lonely.returncode == 1  # the daemon without the socket `start` hands it
