@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from tests.conftest import require_root, require_tool
+
+from .containerd import Containerd
+
+
+@pytest.fixture(scope="module")
+def containerd(tmp_path_factory):
+    require_root()
+    require_tool("containerd", "containerd")
+    require_tool("ctr", "containerd")
+    require_tool("busybox", "busybox-static")
+    c = Containerd(tmp_path_factory.mktemp("containerd")).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def image_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("images")
