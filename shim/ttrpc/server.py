@@ -40,6 +40,12 @@ class Server:
     async def start_path(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._serve_connection, path=path)
 
+    async def serve_stream(self, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> None:
+        """Serve one already open byte stream (the guest agent's virtio-serial port)
+        until it ends."""
+        await self._serve_connection(reader, writer)
+
     async def close(self) -> None:
         """Stop accepting and drop every connection; outstanding calls get no answer."""
         if self._server is not None:
