@@ -46,7 +46,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
         loop.add_signal_handler(signum, stop.set)
     publisher = Publisher(flags.namespace, os.environ.get("TTRPC_ADDRESS", ""),
                           flags.publish_binary, flags.address)
-    tasks = TaskService(publisher, shutdown=lambda: loop.call_soon(stop.set))
+    tasks = TaskService(flags.namespace, publisher, shutdown=lambda: loop.call_soon(stop.set))
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
     server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES])
     await server.start(sock)
@@ -55,6 +55,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)
     await server.close()
+    await tasks.close()
     await publisher.close()
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
     cleanup.remove_shim_state(flags.namespace, group, flags.socket)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from ..pb.containerd.types.task_pb2 import Status
 from ..ttrpc import Code, TtrpcError
@@ -56,6 +57,10 @@ class Process:
     state: State = State.CREATED
     exit_status: int = 0
     exited_at_ns: int = 0
+    process_json: bytes = b""
+    """An exec's OCI Process, kept from Exec until Start."""
+    io: Any = None
+    """The ProcessIO copying its stdio, once the guest process exists."""
     _exited: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property

@@ -1,37 +1,49 @@
 """containerd.task.v2.Task (and v3): one thin handler per RPC — validate, find the
-process, check its state, act, publish the event."""
+process, check its state, act through the pod's sandbox, publish the event."""
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
+import time
 from typing import Callable
 
 from google.protobuf.empty_pb2 import Empty
 
-from .. import __version__, config, paths
+from .. import __version__, config, guestspec, paths
 from ..events import Publisher
+from ..hypervisor import HypervisorError, MissingFile
+from ..mounts import Mount
+from ..pb.agent import agent_pb2 as agentpb
+from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
+from ..pb.containerd.types.task_pb2 import ProcessInfo
+from ..sandbox import Sandbox
+from ..stdio import ProcessIO
 from ..ttrpc import Code, Context, TtrpcError
 from .process import Container, Process, State
 
 log = logging.getLogger("podvm.task")
 
 RUNTIME_OPTIONS = "runtimeoptions.v1.Options"
-
-
-def _no_vm(operation: str, container_id: str) -> TtrpcError:
-    return TtrpcError(
-        Code.UNIMPLEMENTED,
-        f"podvm cannot {operation} container {container_id}: this build of podvm has no VM "
-        f"backend yet (QEMU driver and guest agent), so it cannot run containers")
+CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+VM_GONE_STATUS = 255
 
 
 class TaskService:
-    def __init__(self, publisher: Publisher, shutdown: Callable[[], None]) -> None:
+    def __init__(self, namespace: str, publisher: Publisher,
+                 shutdown: Callable[[], None]) -> None:
+        self.namespace = namespace
         self.containers: dict[str, Container] = {}
+        self.sandbox: Sandbox | None = None
+        self._sandbox_container = ""
         self._publisher = publisher
         self._shutdown = shutdown
+        self._background: set[asyncio.Task] = set()
+
+    # --- lookups -------------------------------------------------------------------
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -41,6 +53,22 @@ class TaskService:
 
     def _process(self, container_id: str, exec_id: str = "") -> Process:
         return self._container(container_id).process(exec_id)
+
+    def _agent(self):
+        if self.sandbox is None or self.sandbox.agent is None:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
+        return self.sandbox.agent
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _publish(self, topic: str, event) -> None:
+        if self._publisher is not None:
+            self._publisher.publish(topic, event)
+
+    # --- lifecycle -----------------------------------------------------------------
 
     async def Connect(self, req: api.ConnectRequest, ctx: Context) -> api.ConnectResponse:
         container = self.containers.get(req.id)
@@ -53,13 +81,145 @@ class TaskService:
             raise TtrpcError(Code.INVALID_ARGUMENT, "create: the container id is empty")
         if req.id in self.containers:
             raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
-        _read_bundle(req.bundle)
-        _load_config(req.options)
-        raise _no_vm("create", req.id)
+        spec = _read_bundle(req.bundle)
+        cfg = _load_config(req.options)
+        annotations = spec.get("annotations") or {}
+        boots_vm = self.sandbox is None
+        if boots_vm and annotations.get(CONTAINER_TYPE) == "container":
+            raise TtrpcError(Code.FAILED_PRECONDITION,
+                             f"container {req.id} belongs to sandbox "
+                             f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
+                             f"this shim does not run")
+        if boots_vm:
+            await self._boot(req.id, cfg)
+        assert self.sandbox is not None
+        guest = guestspec.rewrite(spec, req.id)
+        for what in guest.dropped:
+            log.info("container %s: left out %s", req.id, what)
+        rootfs = [Mount(m.type, m.source, tuple(m.options)) for m in req.rootfs]
+        stdio = agentpb.Stdio(stdin=bool(req.stdin), stdout=bool(req.stdout),
+                              stderr=bool(req.stderr) and not req.terminal,
+                              terminal=req.terminal)
+        try:
+            self.sandbox.share(req.id, req.bundle, rootfs, guest.binds)
+            await self._agent().create_container(agentpb.CreateContainerRequest(
+                container_id=req.id, spec_json=json.dumps(guest.spec).encode(), stdio=stdio,
+                sandbox=boots_vm, sandbox_id=self.sandbox.id))
+        except BaseException as exc:
+            await self._undo_create(req.id, boots_vm)
+            if isinstance(exc, OSError):
+                raise TtrpcError(Code.INVALID_ARGUMENT,
+                                 f"cannot share the files of container {req.id} with its VM: "
+                                 f"{exc}") from None
+            if isinstance(exc, ValueError):
+                raise TtrpcError(Code.INVALID_ARGUMENT, f"container {req.id}: {exc}") from None
+            raise
+        init = Process(req.id, pid=self.sandbox.pid, stdin=req.stdin, stdout=req.stdout,
+                       stderr=req.stderr, terminal=req.terminal)
+        init.io = ProcessIO(self._agent(), req.id, "", req.stdin, req.stdout, req.stderr,
+                            req.terminal)
+        init.io.start()
+        self.containers[req.id] = Container(req.id, req.bundle, init)
+        self._publish("/tasks/create", events.TaskCreate(
+            container_id=req.id, bundle=req.bundle, rootfs=req.rootfs,
+            io=events.TaskIO(stdin=req.stdin, stdout=req.stdout, stderr=req.stderr,
+                             terminal=req.terminal), pid=init.pid))
+        return api.CreateTaskResponse(pid=init.pid)
+
+    async def _boot(self, container_id: str, cfg: config.Config) -> None:
+        sandbox = Sandbox(self.namespace, container_id, cfg)
+        started = time.monotonic()
+        try:
+            await sandbox.boot()
+        except MissingFile as exc:
+            raise TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}") from None
+        except HypervisorError as exc:
+            raise TtrpcError(Code.UNAVAILABLE, f"podvm: {exc}") from None
+        log.info("sandbox %s: VM ready in %.2fs", container_id, time.monotonic() - started)
+        self.sandbox, self._sandbox_container = sandbox, container_id
+        self._spawn(self._watch_vm(sandbox))
+        self._spawn(self._watch_oom(sandbox))
+
+    async def _undo_create(self, container_id: str, boots_vm: bool) -> None:
+        if self.sandbox is None:
+            return
+        try:
+            self.sandbox.unshare(container_id)
+        except OSError as exc:
+            log.error("container %s: cleanup after a failed create: %s", container_id, exc)
+        if boots_vm:
+            sandbox, self.sandbox = self.sandbox, None
+            await sandbox.shutdown()
+
+    async def _watch_vm(self, sandbox: Sandbox) -> None:
+        assert sandbox.vm is not None
+        status = await sandbox.vm.wait()
+        if self.sandbox is not sandbox:
+            return  # stopped on purpose
+        log.error("sandbox %s: QEMU exited with status %d while the pod was running",
+                  sandbox.id, status)
+        now = time.time_ns()
+        for container in list(self.containers.values()):
+            for proc in (container.init, *container.execs.values()):
+                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
+                    self._exited(proc, VM_GONE_STATUS, now)
+
+    async def _watch_oom(self, sandbox: Sandbox) -> None:
+        while sandbox.agent is not None:
+            try:
+                container_id = await sandbox.agent.oom_event()
+            except TtrpcError as exc:
+                log.debug("OOM watch of sandbox %s ended: %s", sandbox.id, exc)
+                return
+            log.warning("container %s: out of memory in the guest", container_id)
+            self._publish("/tasks/oom", events.TaskOOM(container_id=container_id))
+
+    def _exited(self, proc: Process, status: int, at_ns: int) -> None:
+        if proc.state is State.STOPPED:
+            return
+        proc.set_exited(status, at_ns)
+        event = events.TaskExit(container_id=proc.container_id,
+                                id=proc.exec_id or proc.container_id, pid=proc.pid,
+                                exit_status=status)
+        event.exited_at.FromNanoseconds(at_ns)
+        self._publish("/tasks/exit", event)
+
+    async def _reap(self, proc: Process) -> None:
+        """Wait for the guest process to exit, let its output drain, report the exit."""
+        try:
+            result = await self._agent().wait(proc.container_id, proc.exec_id)
+            status, at_ns = result.exit_status, result.exited_at.ToNanoseconds()
+        except TtrpcError as exc:
+            log.warning("%s: lost track of the process: %s", proc.name, exc)
+            status, at_ns = VM_GONE_STATUS, time.time_ns()
+        if proc.io is not None:
+            await proc.io.drained()
+        self._exited(proc, status, at_ns or time.time_ns())
 
     async def Start(self, req: api.StartRequest, ctx: Context) -> api.StartResponse:
-        self._process(req.id, req.exec_id).check("start")
-        raise _no_vm("start", req.id)
+        container = self._container(req.id)
+        proc = container.process(req.exec_id)
+        proc.check("start")
+        agent = self._agent()
+        if req.exec_id:
+            await agent.exec_process(agentpb.ExecProcessRequest(
+                container_id=req.id, exec_id=req.exec_id, process_json=proc.process_json,
+                stdio=agentpb.Stdio(stdin=bool(proc.stdin), stdout=bool(proc.stdout),
+                                    stderr=bool(proc.stderr) and not proc.terminal,
+                                    terminal=proc.terminal)))
+            proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
+                                proc.stderr, proc.terminal)
+            proc.io.start()
+        else:
+            await agent.start_container(req.id)
+        proc.transition("start")
+        self._spawn(self._reap(proc))
+        if req.exec_id:
+            self._publish("/tasks/exec-started", events.TaskExecStarted(
+                container_id=req.id, exec_id=req.exec_id, pid=proc.pid))
+        else:
+            self._publish("/tasks/start", events.TaskStart(container_id=req.id, pid=proc.pid))
+        return api.StartResponse(pid=proc.pid)
 
     async def State(self, req: api.StateRequest, ctx: Context) -> api.StateResponse:
         container = self._container(req.id)
@@ -82,56 +242,136 @@ class TaskService:
         container = self._container(req.id)
         proc = container.process(req.exec_id)
         proc.check("delete")
-        if proc.state is State.CREATED:
-            raise _no_vm("delete a created", req.id)
+        if proc.state is State.CREATED and not req.exec_id:
+            await self._kill_created(proc)
         proc.transition("delete")
+        if proc.io is not None:
+            await proc.io.close()
         if req.exec_id:
             del container.execs[req.exec_id]
         else:
-            del self.containers[req.id]
+            await self._remove_container(container)
         response = api.DeleteResponse(pid=proc.pid, exit_status=proc.exit_status)
-        response.exited_at.FromNanoseconds(proc.exited_at_ns)
+        response.exited_at.FromNanoseconds(proc.exited_at_ns or time.time_ns())
+        if not req.exec_id:
+            event = events.TaskDelete(container_id=req.id, id=req.id, pid=proc.pid,
+                                      exit_status=proc.exit_status)
+            event.exited_at.CopyFrom(response.exited_at)
+            self._publish("/tasks/delete", event)
         return response
+
+    async def _kill_created(self, proc: Process) -> None:
+        """A container deleted before it started: its runc init exists in the guest."""
+        try:
+            await self._agent().signal(proc.container_id, "", 9, True)
+        except TtrpcError as exc:
+            log.debug("%s: kill before delete: %s", proc.name, exc)
+        proc.exit_status, proc.exited_at_ns = 137, time.time_ns()
+
+    async def _remove_container(self, container: Container) -> None:
+        for exec_proc in container.execs.values():
+            if exec_proc.io is not None:
+                await exec_proc.io.close()
+        del self.containers[container.id]
+        sandbox = self.sandbox
+        if sandbox is None:
+            return
+        if sandbox.agent is not None:
+            try:
+                await sandbox.agent.remove(container.id)
+            except TtrpcError as exc:
+                log.warning("container %s: removal in the guest: %s", container.id, exc)
+        sandbox.unshare(container.id)
+        if container.id == self._sandbox_container:
+            await self._stop_sandbox()
+
+    async def _stop_sandbox(self) -> None:
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is None:
+            return
+        log.info("sandbox %s: stopping the VM", sandbox.id)
+        await sandbox.shutdown()
+        for task in list(self._background):
+            task.cancel()
+
+    # --- processes -----------------------------------------------------------------
 
     async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:
         self._process(req.id, req.exec_id).check("kill")
-        raise _no_vm("signal", req.id)
+        await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
+        return Empty()
 
     async def Exec(self, req: api.ExecProcessRequest, ctx: Context) -> Empty:
         container = self._container(req.id)
+        if not req.exec_id:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"exec in {req.id}: the exec id is empty")
         if req.exec_id in container.execs:
             raise TtrpcError(Code.ALREADY_EXISTS,
                              f"exec {req.exec_id} of container {req.id} already exists")
         container.init.check("exec")
-        raise _no_vm("exec in", req.id)
+        try:
+            json.loads(req.spec.value)
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"exec {req.exec_id}: the process spec is not JSON: {exc}") from None
+        container.execs[req.exec_id] = Process(
+            req.id, exec_id=req.exec_id, pid=container.init.pid, stdin=req.stdin,
+            stdout=req.stdout, stderr=req.stderr, terminal=req.terminal,
+            process_json=req.spec.value)
+        self._publish("/tasks/exec-added", events.TaskExecAdded(container_id=req.id,
+                                                                exec_id=req.exec_id))
+        return Empty()
 
     async def ResizePty(self, req: api.ResizePtyRequest, ctx: Context) -> Empty:
         self._process(req.id, req.exec_id).check("resize")
-        raise _no_vm("resize the terminal of", req.id)
+        await self._agent().resize(req.id, req.exec_id, req.width, req.height)
+        return Empty()
 
     async def CloseIO(self, req: api.CloseIORequest, ctx: Context) -> Empty:
-        self._process(req.id, req.exec_id).check("closeio")
-        raise _no_vm("close the stdin of", req.id)
+        proc = self._process(req.id, req.exec_id)
+        proc.check("closeio")
+        if req.stdin and proc.io is not None:
+            await proc.io.close_stdin()
+        return Empty()
 
     async def Pause(self, req: api.PauseRequest, ctx: Context) -> Empty:
-        self._process(req.id).check("pause")
-        raise _no_vm("pause", req.id)
+        proc = self._process(req.id)
+        proc.check("pause")
+        await self._agent().pause(req.id)
+        proc.transition("pause")
+        self._publish("/tasks/paused", events.TaskPaused(container_id=req.id))
+        return Empty()
 
     async def Resume(self, req: api.ResumeRequest, ctx: Context) -> Empty:
-        self._process(req.id).check("resume")
-        raise _no_vm("resume", req.id)
+        proc = self._process(req.id)
+        proc.check("resume")
+        await self._agent().resume(req.id)
+        proc.transition("resume")
+        self._publish("/tasks/resumed", events.TaskResumed(container_id=req.id))
+        return Empty()
 
     async def Pids(self, req: api.PidsRequest, ctx: Context) -> api.PidsResponse:
         self._container(req.id)
-        raise _no_vm("list the processes of", req.id)
+        processes = await self._agent().pids(req.id)
+        return api.PidsResponse(processes=[ProcessInfo(pid=p.pid) for p in processes])
 
     async def Stats(self, req: api.StatsRequest, ctx: Context) -> api.StatsResponse:
         self._container(req.id)
-        raise _no_vm("read the stats of", req.id)
+        stats = await self._agent().stats(req.id)
+        return api.StatsResponse(stats=stats.metrics)
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")
-        raise _no_vm("update", req.id)
+        try:
+            resources = json.loads(req.resources.value) if req.resources.value else {}
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"update of {req.id}: resources are not JSON: {exc}") from None
+        if not isinstance(resources, dict):
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"update of {req.id}: resources must be a LinuxResources object")
+        await self._agent().update(req.id, json.dumps(guestspec.resources(resources)).encode())
+        return Empty()
 
     async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:
         self._container(req.id)
@@ -145,6 +385,14 @@ class TaskService:
         log.info("shutting down%s", " now" if req.now else "")
         self._shutdown()
         return Empty()
+
+    async def close(self) -> None:
+        """The daemon is exiting: stop the VM if it still runs."""
+        for container in list(self.containers.values()):
+            for proc in (container.init, *container.execs.values()):
+                if proc.io is not None:
+                    await proc.io.close()
+        await self._stop_sandbox()
 
 
 def _read_bundle(bundle: str) -> dict:

@@ -130,10 +130,13 @@ async def test_create_answers_clearly(started, tmp_path) -> None:
             await c.call(TASK, "Create", req, api.CreateTaskResponse)
         assert err.value.code == Code.INVALID_ARGUMENT
         assert "default_vcpus" in err.value.message and str(bad_config) in err.value.message
+        missing_kernel = tmp_path / "nokernel.toml"
+        missing_kernel.write_text('[hypervisor.qemu]\nkernel = "/nonexistent/vmlinux"\n')
+        req.options.Pack(Options(config_path=str(missing_kernel)))
         with pytest.raises(TtrpcError) as err:
-            await c.call(TASK, "Create", api.CreateTaskRequest(id="sb1", bundle=str(bundle)),
-                         api.CreateTaskResponse)
-        assert err.value.code == Code.UNIMPLEMENTED and "no VM backend" in err.value.message
+            await c.call(TASK, "Create", req, api.CreateTaskResponse)
+        assert err.value.code == Code.FAILED_PRECONDITION
+        assert "/nonexistent/vmlinux" in err.value.message and "kernel" in err.value.message
         # Nothing was half-made: the container does not exist.
         with pytest.raises(TtrpcError) as err:
             await c.call(TASK, "State", api.StateRequest(id="sb1"), api.StateResponse)

@@ -22,7 +22,7 @@ class Recorder:
 @pytest.fixture
 def service() -> tuple[TaskService, Recorder]:
     shutdown = Recorder()
-    return TaskService(publisher=None, shutdown=shutdown), shutdown  # type: ignore[arg-type]
+    return TaskService("test", publisher=None, shutdown=shutdown), shutdown  # type: ignore[arg-type]
 
 
 def add(service: TaskService, cid: str, state: State, **execs: State) -> Container:
@@ -87,9 +87,9 @@ async def test_illegal_operations_answer_before_touching_the_vm(service) -> None
         (svc.Pause, api.PauseRequest(id="stopped"), Code.FAILED_PRECONDITION),
         (svc.Update, api.UpdateTaskRequest(id="stopped"), Code.FAILED_PRECONDITION),
         (svc.Start, api.StartRequest(id="nope"), Code.NOT_FOUND),
-        # legal, but the VM is needed: a clear UNIMPLEMENTED until it exists
-        (svc.Kill, api.KillRequest(id="running", signal=15), Code.UNIMPLEMENTED),
-        (svc.Exec, api.ExecProcessRequest(id="running", exec_id="e2"), Code.UNIMPLEMENTED),
+        # legal, but this service has no VM behind it
+        (svc.Kill, api.KillRequest(id="running", signal=15), Code.FAILED_PRECONDITION),
+        (svc.Exec, api.ExecProcessRequest(id="running", exec_id="e2"), Code.INVALID_ARGUMENT),
     ]
     for handler, request, code in cases:
         with pytest.raises(TtrpcError) as err:

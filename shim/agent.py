@@ -1,0 +1,107 @@
+"""The host side of the guest agent: typed calls over ttrpc on the VM's virtio-serial
+socket. A lost connection means the guest (or QEMU) is gone: UNAVAILABLE."""
+from __future__ import annotations
+
+from typing import TypeVar
+
+from google.protobuf.empty_pb2 import Empty
+from google.protobuf.message import Message
+
+from .pb.agent import agent_pb2 as pb
+from .ttrpc import Client, Code, ConnectionClosed, TtrpcError
+
+SERVICE = "podvm.agent.v1.Agent"
+R = TypeVar("R", bound=Message)
+
+
+class Agent:
+    def __init__(self, client: Client, sandbox_id: str) -> None:
+        self._client = client
+        self._sandbox_id = sandbox_id
+
+    @classmethod
+    async def connect(cls, socket_path: str, sandbox_id: str) -> "Agent":
+        return cls(await Client.connect(socket_path), sandbox_id)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def _call(self, method: str, request: Message, response: type[R],
+                    timeout: float | None = None) -> R:
+        try:
+            return await self._client.call(SERVICE, method, request, response, timeout=timeout)
+        except ConnectionClosed as exc:
+            raise TtrpcError(Code.UNAVAILABLE, f"the guest agent of sandbox {self._sandbox_id} "
+                                               f"is gone ({exc}): did the VM die?") from None
+
+    async def ping(self, timeout: float | None = None) -> pb.PingResponse:
+        return await self._call("Ping", pb.PingRequest(), pb.PingResponse, timeout)
+
+    async def create_container(self, req: pb.CreateContainerRequest) -> int:
+        return (await self._call("CreateContainer", req, pb.CreateContainerResponse)).pid
+
+    async def start_container(self, container_id: str) -> int:
+        return (await self._call("StartContainer", pb.StartContainerRequest(
+            container_id=container_id), pb.StartContainerResponse)).pid
+
+    async def exec_process(self, req: pb.ExecProcessRequest) -> int:
+        return (await self._call("ExecProcess", req, pb.ExecProcessResponse)).pid
+
+    async def signal(self, container_id: str, exec_id: str, signal: int, all_: bool) -> None:
+        await self._call("SignalProcess", pb.SignalProcessRequest(
+            container_id=container_id, exec_id=exec_id, signal=signal, all=all_), Empty)
+
+    async def wait(self, container_id: str, exec_id: str) -> pb.WaitProcessResponse:
+        return await self._call("WaitProcess", pb.WaitProcessRequest(
+            container_id=container_id, exec_id=exec_id), pb.WaitProcessResponse)
+
+    async def pids(self, container_id: str) -> list[pb.ProcessEntry]:
+        return list((await self._call("ListPids", pb.ListPidsRequest(
+            container_id=container_id), pb.ListPidsResponse)).processes)
+
+    async def stats(self, container_id: str) -> pb.ContainerStatsResponse:
+        return await self._call("ContainerStats", pb.ContainerStatsRequest(
+            container_id=container_id), pb.ContainerStatsResponse)
+
+    async def update(self, container_id: str, resources_json: bytes) -> None:
+        await self._call("UpdateContainer", pb.UpdateContainerRequest(
+            container_id=container_id, resources_json=resources_json), Empty)
+
+    async def pause(self, container_id: str) -> None:
+        await self._call("PauseContainer", pb.PauseContainerRequest(
+            container_id=container_id), Empty)
+
+    async def resume(self, container_id: str) -> None:
+        await self._call("ResumeContainer", pb.ResumeContainerRequest(
+            container_id=container_id), Empty)
+
+    async def remove(self, container_id: str) -> None:
+        await self._call("RemoveContainer", pb.RemoveContainerRequest(
+            container_id=container_id), Empty)
+
+    async def read(self, stream: str, container_id: str, exec_id: str,
+                   max_bytes: int = 65536) -> bytes:
+        method = "ReadStdout" if stream == "stdout" else "ReadStderr"
+        return (await self._call(method, pb.ReadStreamRequest(
+            container_id=container_id, exec_id=exec_id, max_bytes=max_bytes),
+            pb.ReadStreamResponse)).data
+
+    async def write_stdin(self, container_id: str, exec_id: str, data: bytes) -> int:
+        return (await self._call("WriteStdin", pb.WriteStreamRequest(
+            container_id=container_id, exec_id=exec_id, data=data),
+            pb.WriteStreamResponse)).written
+
+    async def close_stdin(self, container_id: str, exec_id: str) -> None:
+        await self._call("CloseStdin", pb.CloseStdinRequest(
+            container_id=container_id, exec_id=exec_id), Empty)
+
+    async def resize(self, container_id: str, exec_id: str, width: int, height: int) -> None:
+        await self._call("ResizeTty", pb.ResizeTtyRequest(
+            container_id=container_id, exec_id=exec_id, width=width, height=height), Empty)
+
+    async def oom_event(self) -> str:
+        return (await self._call("GetOOMEvent", pb.GetOOMEventRequest(),
+                                 pb.OOMEvent)).container_id
+
+    async def shutdown(self, timeout: float = 5) -> None:
+        await self._call("Shutdown", pb.ShutdownRequest(), Empty, timeout)

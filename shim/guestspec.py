@@ -1,0 +1,89 @@
+"""The OCI spec as the guest must see it: the rootfs and every host file the container
+mounts come through the pod's shared directory; host-only parts are dropped.
+
+Pure: returns the rewritten spec and the binds the shim must make on the host."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+GUEST_SHARED = "/run/podvm/shared"
+_HOST_KERNEL_PATHS = ("/dev", "/proc", "/sys")
+_SHM_TMPFS = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}
+
+
+@dataclass(frozen=True)
+class HostBind:
+    source: str
+    """Host path (file or directory)."""
+    target: str
+    """Path relative to the shared directory."""
+    readonly: bool
+
+
+@dataclass(frozen=True)
+class GuestSpec:
+    spec: dict
+    binds: tuple[HostBind, ...]
+    dropped: tuple[str, ...]
+    """What was left out, for the log."""
+
+
+def rootfs_path(container_id: str) -> str:
+    """The container's rootfs relative to the shared directory."""
+    return f"{container_id}/rootfs"
+
+
+def rewrite(spec: dict, container_id: str) -> GuestSpec:
+    spec = copy.deepcopy(spec)
+    root = spec.get("root") or {}
+    spec["root"] = {"path": f"{GUEST_SHARED}/{rootfs_path(container_id)}",
+                    "readonly": bool(root.get("readonly", False))}
+    binds: list[HostBind] = []
+    dropped: list[str] = []
+    mounts = []
+    for index, m in enumerate(spec.get("mounts") or []):
+        options = m.get("options") or []
+        if m.get("type") != "bind" and "bind" not in options and "rbind" not in options:
+            mounts.append(m)  # proc, tmpfs, sysfs, devpts...: made fresh in the guest
+            continue
+        destination, source = m.get("destination", ""), m.get("source", "")
+        if destination == "/dev/shm":
+            mounts.append(dict(_SHM_TMPFS))
+            dropped.append(f"bind {source} on /dev/shm (a tmpfs in the guest instead)")
+        elif any(source == p or source.startswith(p + "/") for p in _HOST_KERNEL_PATHS):
+            dropped.append(f"bind of host kernel path {source} on {destination}")
+        else:
+            name = f"{index}-{os.path.basename(destination.rstrip('/')) or 'root'}"
+            target = f"{container_id}/mounts/{name}"
+            binds.append(HostBind(source, target, "ro" in options))
+            mounts.append(dict(m, source=f"{GUEST_SHARED}/{target}"))
+    spec["mounts"] = mounts
+    if spec.pop("hooks", None):
+        dropped.append("OCI hooks (they would run on the host's paths)")
+    linux = spec.setdefault("linux", {})
+    linux.pop("cgroupsPath", None)
+    cpu = (linux.get("resources") or {}).get("cpu") or {}
+    for key in ("cpus", "mems"):
+        if cpu.pop(key, None):
+            dropped.append(f"host cpuset {key} (enforced on the host, not in the guest)")
+    namespaces = []
+    for ns in linux.get("namespaces") or []:
+        if ns.get("type") == "network":
+            if ns.get("path"):
+                dropped.append(f"network namespace {ns['path']} (pod networking comes later)")
+            continue
+        namespaces.append({k: v for k, v in ns.items() if k != "path"})
+    linux["namespaces"] = namespaces
+    return GuestSpec(spec, tuple(binds), tuple(dropped))
+
+
+def resources(resources: dict) -> dict:
+    """LinuxResources for the guest: the host cpuset stays on the host."""
+    resources = copy.deepcopy(resources)
+    cpu = resources.get("cpu") or {}
+    cpu.pop("cpus", None)
+    cpu.pop("mems", None)
+    return resources

@@ -1,0 +1,77 @@
+"""What the shim needs from a VMM: boot a sized VM, say which host thread does what,
+stop it, notice when it dies. Policy (sizes, placement) is decided elsewhere."""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+
+from ..config import QemuConfig
+
+
+class HypervisorError(Exception):
+    pass
+
+
+class BootTimeout(HypervisorError):
+    pass
+
+
+class MissingFile(HypervisorError):
+    """The VMM, kernel or initrd the configuration names is not there."""
+
+
+class ThreadRole(str, enum.Enum):
+    VCPU = "vcpu"
+    MAIN = "main"
+    IOTHREAD = "iothread"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class VMSpec:
+    """One VM, fully decided: the driver only turns it into a command line."""
+
+    sandbox_id: str
+    workdir: str
+    """Private directory for the VM's sockets, console log and pid file."""
+    shared_dir: str
+    """Host directory exported to the guest (9p tag `podvm`): container rootfs live here."""
+    vcpus: int
+    max_vcpus: int
+    memory_mib: int
+    max_memory_mib: int
+    hypervisor: QemuConfig
+    config_source: str = ""
+    """Which configuration file set these, for error messages."""
+
+
+class VM(abc.ABC):
+    """A booted guest whose agent answers on `agent_socket`."""
+
+    spec: VMSpec
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def agent_socket(self) -> str: ...
+
+    @abc.abstractmethod
+    async def launch(self) -> None:
+        """Start the VMM and return once the guest agent's port is open; BootTimeout
+        (VM killed) when the guest does not get there in time."""
+
+    @abc.abstractmethod
+    async def threads(self) -> dict[ThreadRole, list[int]]:
+        """Every host thread of the VMM by role, read now (threads come and go)."""
+
+    @abc.abstractmethod
+    async def stop(self, timeout: float = 10) -> None:
+        """Ask the VMM to quit, kill it after `timeout`; a no-op when it is gone."""
+
+    @abc.abstractmethod
+    async def wait(self) -> int:
+        """Block until the VMM process exits; its exit status."""

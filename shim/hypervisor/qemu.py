@@ -1,0 +1,223 @@
+"""QEMU: q35 with qboot and a PVH-booted uncompressed kernel (fast under TCG too),
+room for CPU and memory hot-plug, the agent on a virtio-serial port, the pod's shared
+directory over virtio-9p, QMP for control and thread ids."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from qemu.qmp import QMPClient
+
+from ..config import DEFAULT_PATH as DEFAULT_CONFIG
+from .base import BootTimeout, HypervisorError, MissingFile, ThreadRole, VM, VMSpec
+
+log = logging.getLogger("podvm.qemu")
+
+AGENT_PORT = "podvm.agent"
+SHARE_TAG = "podvm"
+QBOOT = "/usr/share/qemu/qboot.rom"
+# Each skips probing a microVM does not need; measured under TCG in design.md.
+KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i8042.nopnp "
+                 "i8042.dumbkbd tsc=reliable no_timer_check rcupdate.rcu_expedited=1 "
+                 "mitigations=off nokaslr")
+
+
+class QemuVM(VM):
+    def __init__(self, spec: VMSpec) -> None:
+        self.spec = spec
+        self._proc: asyncio.subprocess.Process | None = None
+        self._qmp: QMPClient | None = None
+        self._exit_status: int | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise HypervisorError(f"VM of sandbox {self.spec.sandbox_id} was never launched")
+        return self._proc.pid
+
+    @property
+    def agent_socket(self) -> str:
+        return os.path.join(self.spec.workdir, "agent.sock")
+
+    @property
+    def qmp_socket(self) -> str:
+        return os.path.join(self.spec.workdir, "qmp.sock")
+
+    @property
+    def console_log(self) -> str:
+        return os.path.join(self.spec.workdir, "console.log")
+
+    def command(self) -> list[str]:
+        s, q = self.spec, self.spec.hypervisor
+        memory = f"{s.memory_mib}M"
+        if s.max_memory_mib > s.memory_mib:
+            memory += f",slots=8,maxmem={s.max_memory_mib}M"
+        accel = "tcg,thread=multi" if q.accel == "tcg" else "kvm"
+        cpu = "max" if q.accel == "tcg" else "host"
+        return [
+            q.path, "-name", f"podvm-{s.sandbox_id},debug-threads=on",
+            "-machine", "q35", "-accel", accel, "-cpu", cpu,
+            "-bios", QBOOT, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
+            "-S",  # paused until QMP is attached, so no early event is missed
+            "-smp", f"{s.vcpus},maxcpus={max(s.vcpus, s.max_vcpus)}",
+            "-m", memory,
+            "-kernel", q.kernel, "-initrd", q.initrd, "-append", KERNEL_PARAMS,
+            "-serial", f"file:{self.console_log}",
+            "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
+            "-device", "virtio-serial-pci,id=serial0",
+            "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,id=agentport,name={AGENT_PORT}",
+            "-fsdev", f"local,id=shared,path={s.shared_dir},security_model=none,"
+                      "multidevs=remap",
+            "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}",
+            "-pidfile", os.path.join(s.workdir, "qemu.pid"),
+        ]
+
+    def check_files(self) -> None:
+        q = self.spec.hypervisor
+        where = self.spec.config_source
+        if not os.path.isabs(where):
+            where = DEFAULT_CONFIG
+        for key, path, fix in (("path", q.path, "install the qemu-system-x86 package"),
+                               ("kernel", q.kernel, "run `make install` (it builds them)"),
+                               ("initrd", q.initrd, "run `make install` (it builds them)")):
+            if not os.path.isfile(path):
+                raise MissingFile(f"{key} {path} does not exist: {fix}, or set "
+                                  f"[hypervisor.qemu] {key} in {where}")
+        if not os.path.isfile(QBOOT):
+            raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
+                              f"qemu-system-x86 package")
+
+    async def launch(self) -> None:
+        self.check_files()
+        os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
+        for path in (self.agent_socket, self.qmp_socket):
+            _unlink(path)
+        cmd = self.command()
+        log.info("starting QEMU: %s", " ".join(cmd))
+        stderr = open(os.path.join(self.spec.workdir, "qemu.log"), "ab")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                start_new_session=True)
+        except OSError as exc:
+            raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
+        finally:
+            stderr.close()
+        try:
+            async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
+                await self._attach_and_boot()
+        except TimeoutError:
+            await self.stop(timeout=0)
+            raise BootTimeout(self._boot_timeout_message()) from None
+        except BaseException:
+            await self.stop(timeout=0)
+            raise
+
+    async def _attach_and_boot(self) -> None:
+        qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
+        while True:
+            if self._proc is not None and self._proc.returncode is not None:
+                raise HypervisorError(f"QEMU exited with status {self._proc.returncode} "
+                                      f"before booting: {self._qemu_log_tail()}")
+            try:
+                await qmp.connect(self.qmp_socket)
+                break
+            except Exception:  # not listening yet
+                await asyncio.sleep(0.01)
+        self._qmp = qmp
+        with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
+            await qmp.execute("cont")
+            async for event in port_events:
+                data = event.get("data", {})
+                if data.get("id") == "agentport" and data.get("open"):
+                    log.info("guest agent port open")
+                    return
+
+    def _boot_timeout_message(self) -> str:
+        q = self.spec.hypervisor
+        msg = (f"the guest of sandbox {self.spec.sandbox_id} did not come up within "
+               f"{q.boot_timeout}s (accel={q.accel})")
+        if q.accel == "kvm":
+            msg += ("; if KVM cannot run guests on this host (nested virtualization), set "
+                    "[hypervisor.qemu] accel = \"tcg\"")
+            if self.spec.config_source:
+                msg += f" in {self.spec.config_source}"
+        tail = _tail(self.console_log)
+        return msg + (f"; guest console ends with: {tail}" if tail else "")
+
+    def _qemu_log_tail(self) -> str:
+        return _tail(os.path.join(self.spec.workdir, "qemu.log")) or "(no output)"
+
+    async def threads(self) -> dict[ThreadRole, list[int]]:
+        if self._qmp is None:
+            raise HypervisorError("VM is not running")
+        cpus = await self._qmp.execute("query-cpus-fast")
+        iothreads = await self._qmp.execute("query-iothreads")
+        roles: dict[ThreadRole, list[int]] = {
+            ThreadRole.VCPU: [c["thread-id"] for c in cpus],  # type: ignore[index]
+            ThreadRole.IOTHREAD: [t["thread-id"] for t in iothreads],  # type: ignore[index]
+            ThreadRole.MAIN: [self.pid],
+        }
+        known = {tid for tids in roles.values() for tid in tids}
+        try:
+            tasks = [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
+        except FileNotFoundError:
+            raise HypervisorError("QEMU is gone") from None
+        roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
+        return roles
+
+    async def stop(self, timeout: float = 10) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None and timeout > 0 and self._qmp:
+            try:
+                await asyncio.wait_for(self._qmp.execute("quit"), timeout)
+            except Exception as exc:
+                log.debug("QMP quit: %s", exc)
+        await self._disconnect_qmp()
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                pass
+            if proc.returncode is None:
+                log.warning("killing QEMU %d", proc.pid)
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await proc.wait()
+        for path in (self.agent_socket, self.qmp_socket):
+            _unlink(path)
+
+    async def _disconnect_qmp(self) -> None:
+        if self._qmp is not None:
+            qmp, self._qmp = self._qmp, None
+            try:
+                await qmp.disconnect()
+            except Exception as exc:  # QEMU may already be gone
+                log.debug("QMP disconnect: %s", exc)
+
+    async def wait(self) -> int:
+        if self._proc is None:
+            raise HypervisorError("VM was never launched")
+        return await self._proc.wait()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _tail(path: str, size: int = 600) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode(errors="replace").strip().replace("\n", " | ")
+    except OSError:
+        return ""

@@ -1,0 +1,108 @@
+"""mount(2) and umount2(2) for the shim: containerd's rootfs mounts onto the bundle, and
+binds of a pod's files into the directory its VM shares with the guest."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from dataclasses import dataclass
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
+          "bind": MS_BIND, "rbind": MS_BIND | MS_REC}
+_IGNORED = {"rw", "suid", "dev", "exec", "defaults"}
+
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+@dataclass(frozen=True)
+class Mount:
+    type: str
+    source: str
+    options: tuple[str, ...] = ()
+
+
+def split_options(options: tuple[str, ...] | list[str]) -> tuple[int, str]:
+    """Mount flags and the data string the filesystem parses itself."""
+    flags, data = 0, []
+    for opt in options:
+        if opt in _FLAGS:
+            flags |= _FLAGS[opt]
+        elif opt not in _IGNORED:
+            data.append(opt)
+    return flags, ",".join(data)
+
+
+def mount(m: Mount, target: str) -> None:
+    flags, data = split_options(m.options)
+    fstype = None if flags & MS_BIND else m.type
+    _mount(m.source, target, fstype, flags & ~MS_RDONLY if flags & MS_BIND else flags, data)
+    if flags & MS_BIND and flags & MS_RDONLY:  # a bind is made read-only by a remount
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, "")
+
+
+def bind(source: str, target: str, readonly: bool = False) -> None:
+    """Bind `source` (file or directory) onto `target`, creating the target as needed."""
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(target):
+            open(target, "a").close()
+    mount(Mount("bind", source, ("rbind", "ro") if readonly else ("rbind",)), target)
+    _mount(None, target, None, MS_PRIVATE | MS_REC, "")
+
+
+def unmount(path: str) -> bool:
+    """Detach whatever is mounted on `path`; False when nothing was (or no such path)."""
+    if _c().umount2(os.fsencode(path), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOENT):
+            return False
+        raise OSError(err, f"umount {path}: {os.strerror(err)}")
+    return True
+
+
+def mounts_under(path: str) -> list[str]:
+    """Mount points at or below `path`, deepest first (the order to unmount them in)."""
+    prefix = path.rstrip("/")
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    return sorted(set(found), key=lambda p: p.count("/"), reverse=True)
+
+
+def unmount_all(path: str) -> int:
+    """Unmount everything at or below `path`; how many were."""
+    return sum(unmount(p) for p in mounts_under(path))
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str) -> None:
+    if _c().mount(_b(source), os.fsencode(target), _b(fstype), ctypes.c_ulong(flags),
+                  _b(data or None)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source or ''} on {target} ({fstype or 'bind'}, "
+                           f"{data or 'no options'}): {os.strerror(err)}")
+
+
+def _b(value: str | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)

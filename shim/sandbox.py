@@ -1,0 +1,163 @@
+"""One pod's VM and what the host holds for it: the shared directory with every
+container's rootfs and files, the QEMU process, the agent connection.
+
+Everything made on the host is recorded in `sandbox.json` before it is made, so that
+`delete` can remove it after a crash from that file alone."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+
+from . import guestspec, mounts, paths
+from .agent import Agent
+from .config import Config
+from .hypervisor import VM, VMSpec
+from .mounts import Mount
+
+log = logging.getLogger("podvm.sandbox")
+
+STATE_FILE = "sandbox.json"
+
+
+class Sandbox:
+    def __init__(self, namespace: str, sandbox_id: str, config: Config) -> None:
+        self.id = sandbox_id
+        self.config = config
+        self.dir = paths.state_dir(namespace, sandbox_id)
+        self.shared_dir = os.path.join(self.dir, "shared")
+        self.vm_dir = os.path.join(self.dir, "vm")
+        self.vm: VM | None = None
+        self.agent: Agent | None = None
+        self._state: dict = {"sandbox_id": sandbox_id, "qemu_pid": 0, "rootfs": {}}
+
+    @property
+    def pid(self) -> int:
+        return self.vm.pid if self.vm else 0
+
+    def _persist(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(self.dir, STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self._state, f)
+        os.replace(tmp, os.path.join(self.dir, STATE_FILE))
+
+    async def boot(self) -> None:
+        q = self.config.qemu
+        for d in (self.shared_dir, self.vm_dir):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        self._persist()
+        spec = VMSpec(
+            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
+            vcpus=q.default_vcpus, max_vcpus=q.default_maxvcpus or os.cpu_count() or 1,
+            memory_mib=q.default_memory,
+            max_memory_mib=q.default_maxmemory or _host_memory_mib(),
+            hypervisor=q, config_source=self.config.source)
+        from .hypervisor.qemu import QemuVM  # qemu.qmp is loaded only by a pod's first Create
+
+        self.vm = QemuVM(spec)
+        try:
+            await self.vm.launch()
+            self._state["qemu_pid"] = self.vm.pid
+            self._persist()
+            self.agent = await Agent.connect(self.vm.agent_socket, self.id)
+            info = await self.agent.ping(timeout=q.boot_timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
+                 info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
+
+    def share(self, container_id: str, bundle: str, rootfs: list[Mount],
+              binds: tuple[guestspec.HostBind, ...]) -> None:
+        """Mount the container's rootfs on its bundle (as containerd expects) and bind it,
+        with its other host files, into the shared directory. All or nothing."""
+        self._state["rootfs"][container_id] = os.path.join(bundle, "rootfs")
+        self._persist()
+        try:
+            if rootfs:
+                if len(rootfs) != 1:
+                    raise ValueError(f"{len(rootfs)} rootfs mounts; podvm takes exactly one")
+                mounts.mount(rootfs[0], os.path.join(bundle, "rootfs"))
+            mounts.bind(os.path.join(bundle, "rootfs"),
+                        os.path.join(self.shared_dir, guestspec.rootfs_path(container_id)))
+            for b in binds:
+                mounts.bind(b.source, os.path.join(self.shared_dir, b.target), b.readonly)
+        except BaseException:
+            self.unshare(container_id)
+            raise
+
+    def unshare(self, container_id: str) -> None:
+        """Undo share(); a no-op for what is already gone."""
+        container_dir = os.path.join(self.shared_dir, container_id)
+        mounts.unmount_all(container_dir)
+        remove_tree(container_dir)
+        bundle_rootfs = self._state["rootfs"].pop(container_id, None)
+        if bundle_rootfs:
+            mounts.unmount(bundle_rootfs)
+        self._persist()
+
+    async def shutdown(self) -> None:
+        """Stop the VM and remove everything of the sandbox on the host but the state
+        directory itself (the daemon removes that last). Idempotent."""
+        if self.agent is not None:
+            agent, self.agent = self.agent, None
+            try:
+                await asyncio.wait_for(agent.shutdown(), 3)
+            except Exception as exc:
+                log.debug("agent shutdown: %s", exc)
+            await agent.close()
+        if self.vm is not None:
+            await self.vm.stop(timeout=5)
+        for container_id in list(self._state["rootfs"]):
+            self.unshare(container_id)
+        mounts.unmount_all(self.shared_dir)
+        remove_tree(self.shared_dir)
+        remove_tree(self.vm_dir)
+        self._state["qemu_pid"] = 0
+        self._persist()
+
+
+def remove_tree(path: str) -> None:
+    """rmtree that never reaches through a mount into what it shares."""
+    left = mounts.mounts_under(path)
+    if left:
+        raise OSError(f"refusing to remove {path}: still mounted: {', '.join(left)}")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def cleanup_from_state(state_dir: str) -> None:
+    """After a crash: kill the recorded QEMU, unmount everything, from sandbox.json."""
+    try:
+        with open(os.path.join(state_dir, STATE_FILE)) as f:
+            state = json.load(f)
+    except (FileNotFoundError, ValueError):
+        state = {}
+    pid = state.get("qemu_pid")
+    if isinstance(pid, int) and pid > 0 and _is_qemu_of(pid, state.get("sandbox_id", "")):
+        from .cleanup import kill_and_wait
+
+        log.info("killing QEMU %d of sandbox %s", pid, state.get("sandbox_id"))
+        kill_and_wait(pid)
+    mounts.unmount_all(state_dir)
+    for bundle_rootfs in (state.get("rootfs") or {}).values():
+        mounts.unmount(bundle_rootfs)
+
+
+def _is_qemu_of(pid: int, sandbox_id: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"qemu" in cmdline and f"podvm-{sandbox_id}".encode() in cmdline
+
+
+def _host_memory_mib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 0

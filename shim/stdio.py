@@ -1,0 +1,158 @@
+"""A process's stdio: copied between containerd's FIFOs on the host and the guest
+agent's stream calls, without blocking the event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from .agent import Agent
+from .ttrpc import TtrpcError
+
+log = logging.getLogger("podvm.stdio")
+
+CHUNK = 64 * 1024
+
+
+class FifoWriter:
+    """The write end of a FIFO containerd reads. Opened read-write: the open never
+    blocks and never fails for want of a reader, and data waits in the pipe."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    async def write(self, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._fd, view):]
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_writer(self._fd, ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_writer(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class FifoReader:
+    """The read end of a FIFO containerd writes (stdin)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    @classmethod
+    async def open(cls, path: str) -> "FifoReader":
+        # The one blocking call: a FIFO's read end opens once its writer exists, and a
+        # non-blocking open would see end-of-file before containerd opened its end.
+        fd = await asyncio.get_running_loop().run_in_executor(
+            None, os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        os.set_blocking(fd, False)
+        return cls(fd)
+
+    async def read(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return os.read(self._fd, CHUNK)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(self._fd, ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ProcessIO:
+    def __init__(self, agent: Agent, container_id: str, exec_id: str, stdin: str,
+                 stdout: str, stderr: str, terminal: bool) -> None:
+        self._agent = agent
+        self._ids = (container_id, exec_id)
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.terminal = terminal
+        self._outputs: list[asyncio.Task] = []
+        self._input: asyncio.Task | None = None
+        self._files: list[FifoWriter | FifoReader] = []
+
+    @property
+    def name(self) -> str:
+        cid, eid = self._ids
+        return f"{cid}/{eid}" if eid else cid
+
+    def start(self) -> None:
+        """Begin copying; called once the guest process exists."""
+        for stream, path in (("stdout", self.stdout), ("stderr", self.stderr)):
+            if path and not (stream == "stderr" and self.terminal):
+                writer = FifoWriter(path)
+                self._files.append(writer)
+                self._outputs.append(asyncio.create_task(self._copy_out(stream, writer)))
+        if self.stdin:
+            self._input = asyncio.create_task(self._copy_in())
+
+    async def _copy_out(self, stream: str, writer: FifoWriter) -> None:
+        try:
+            while data := await self._agent.read(stream, *self._ids, CHUNK):
+                await writer.write(data)
+        except TtrpcError as exc:
+            log.debug("%s of %s ended: %s", stream, self.name, exc)
+        finally:
+            writer.close()
+
+    async def _copy_in(self) -> None:
+        reader = await FifoReader.open(self.stdin)
+        self._files.append(reader)
+        try:
+            while data := await reader.read():
+                await self._agent.write_stdin(*self._ids, data)
+            await self._agent.close_stdin(*self._ids)
+        except TtrpcError as exc:
+            log.debug("stdin of %s ended: %s", self.name, exc)
+        finally:
+            reader.close()
+
+    async def close_stdin(self) -> None:
+        if self._input is not None and not self._input.done():
+            self._input.cancel()
+        await self._agent.close_stdin(*self._ids)
+
+    async def drained(self, timeout: float = 2.0) -> None:
+        """Wait until the outputs reached end-of-file (after the process exited); give up
+        after `timeout`, since a left-over child may hold them open."""
+        if not self._outputs:
+            return
+        done, pending = await asyncio.wait(self._outputs, timeout=timeout)
+        if pending:
+            log.info("output of %s still open %.1fs after exit: closing it", self.name,
+                     timeout)
+
+    async def close(self) -> None:
+        if self._input is not None and not self._input.done():
+            _release_blocked_open(self.stdin)
+        tasks = [*self._outputs, *([self._input] if self._input else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for f in self._files:
+            f.close()
+
+
+def _release_blocked_open(path: str) -> None:
+    """A read-side open still waiting for containerd's writer returns once any writer
+    appears: be that writer for a moment."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except OSError:
+        pass  # no open is waiting (ENXIO) or the FIFO is gone

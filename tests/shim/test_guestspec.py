@@ -1,0 +1,66 @@
+"""What the guest sees of a CRI container's spec."""
+from __future__ import annotations
+
+from shim import guestspec
+
+CRI_CONTAINER = {
+    "ociVersion": "1.0.2",
+    "process": {"args": ["sh"]},
+    "root": {"path": "rootfs", "readonly": True},
+    "hooks": {"prestart": [{"path": "/usr/bin/hook"}]},
+    "mounts": [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+        {"destination": "/etc/hosts", "type": "bind",
+         "source": "/var/lib/containerd/io.containerd.grpc.v1.cri/sandboxes/sb/hosts",
+         "options": ["rbind", "rprivate", "rw"]},
+        {"destination": "/etc/resolv.conf", "type": "bind",
+         "source": "/var/lib/containerd/io.containerd.grpc.v1.cri/sandboxes/sb/resolv.conf",
+         "options": ["rbind", "ro"]},
+        {"destination": "/dev/shm", "type": "bind",
+         "source": "/run/containerd/io.containerd.grpc.v1.cri/sandboxes/sb/shm",
+         "options": ["rbind", "rw"]},
+        {"destination": "/dev/kmsg", "type": "bind", "source": "/dev/kmsg",
+         "options": ["rbind"]},
+    ],
+    "linux": {
+        "cgroupsPath": "/kubepods/burstable/podabc/c1",
+        "resources": {"cpu": {"quota": 50000, "period": 100000, "cpus": "0-1", "mems": "0"},
+                      "memory": {"limit": 134217728}},
+        "namespaces": [{"type": "pid"}, {"type": "ipc", "path": "/proc/42/ns/ipc"},
+                       {"type": "network", "path": "/var/run/netns/cni-1"},
+                       {"type": "mount"}],
+    },
+}
+
+
+def test_rootfs_and_host_files_come_through_the_shared_directory() -> None:
+    g = guestspec.rewrite(CRI_CONTAINER, "c1")
+    assert g.spec["root"] == {"path": "/run/podvm/shared/c1/rootfs", "readonly": True}
+    by_dest = {m["destination"]: m for m in g.spec["mounts"]}
+    assert by_dest["/proc"]["type"] == "proc"
+    assert by_dest["/etc/hosts"]["source"] == "/run/podvm/shared/c1/mounts/2-hosts"
+    assert by_dest["/etc/resolv.conf"]["source"] == "/run/podvm/shared/c1/mounts/3-resolv.conf"
+    assert by_dest["/dev/shm"]["type"] == "tmpfs"
+    assert "/dev/kmsg" not in by_dest
+    assert [(b.source.rsplit("/", 1)[1], b.target, b.readonly) for b in g.binds] == [
+        ("hosts", "c1/mounts/2-hosts", False), ("resolv.conf", "c1/mounts/3-resolv.conf", True)]
+
+
+def test_host_only_parts_are_dropped_and_said() -> None:
+    g = guestspec.rewrite(CRI_CONTAINER, "c1")
+    linux = g.spec["linux"]
+    assert "cgroupsPath" not in linux and "hooks" not in g.spec
+    assert linux["resources"]["cpu"] == {"quota": 50000, "period": 100000}
+    assert linux["resources"]["memory"] == {"limit": 134217728}
+    assert linux["namespaces"] == [{"type": "pid"}, {"type": "ipc"}, {"type": "mount"}]
+    text = " ".join(g.dropped)
+    for word in ("/dev/shm", "/dev/kmsg", "hooks", "cpus", "mems", "cni-1"):
+        assert word in text
+    assert CRI_CONTAINER["linux"]["cgroupsPath"]  # the input is left alone
+
+
+def test_update_resources_keep_the_host_cpuset_on_the_host() -> None:
+    r = {"cpu": {"shares": 512, "cpus": "2"}, "memory": {"limit": 1}}
+    assert guestspec.resources(r) == {"cpu": {"shares": 512}, "memory": {"limit": 1}}
+    assert r["cpu"]["cpus"] == "2"
