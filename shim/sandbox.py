@@ -16,6 +16,7 @@ from .agent import Agent
 from .config import Config
 from .hypervisor import VM, VMSpec
 from .mounts import Mount
+from .resources import Host, SandboxPlan
 
 log = logging.getLogger("podvm.sandbox")
 
@@ -23,9 +24,11 @@ STATE_FILE = "sandbox.json"
 
 
 class Sandbox:
-    def __init__(self, namespace: str, sandbox_id: str, config: Config) -> None:
+    def __init__(self, namespace: str, sandbox_id: str, config: Config,
+                 plan: SandboxPlan) -> None:
         self.id = sandbox_id
         self.config = config
+        self.plan = plan
         self.dir = paths.state_dir(namespace, sandbox_id)
         self.shared_dir = os.path.join(self.dir, "shared")
         self.vm_dir = os.path.join(self.dir, "vm")
@@ -51,9 +54,8 @@ class Sandbox:
         self._persist()
         spec = VMSpec(
             sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
-            vcpus=q.default_vcpus, max_vcpus=q.default_maxvcpus or os.cpu_count() or 1,
-            memory_mib=q.default_memory,
-            max_memory_mib=q.default_maxmemory or _host_memory_mib(),
+            vcpus=self.plan.vcpus, max_vcpus=self.plan.max_vcpus,
+            memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
             hypervisor=q, config_source=self.config.source)
         from .hypervisor.qemu import QemuVM  # qemu.qmp is loaded only by a pod's first Create
 
@@ -155,9 +157,10 @@ def _is_qemu_of(pid: int, sandbox_id: str) -> bool:
     return b"qemu" in cmdline and f"podvm-{sandbox_id}".encode() in cmdline
 
 
-def _host_memory_mib() -> int:
+def host() -> Host:
+    """This machine's CPUs and memory, for the plan's limits."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    return 0
+                return Host(cpus=os.cpu_count() or 1, memory_mib=int(line.split()[1]) // 1024)
+    raise OSError("no MemTotal in /proc/meminfo")

@@ -20,7 +20,10 @@ from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
 from ..pb.containerd.types.task_pb2 import ProcessInfo
-from ..sandbox import Sandbox
+from ..resources import NoFit, PlanError, SandboxPlan, plan_sandbox
+from ..resources import annotations as annotations_model
+from ..resources.model import from_linux_resources, request_from_config
+from ..sandbox import Sandbox, host as sandbox_host
 from ..stdio import ProcessIO
 from ..ttrpc import Code, Context, TtrpcError
 from .process import Container, Process, State
@@ -91,7 +94,7 @@ class TaskService:
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
                              f"this shim does not run")
         if boots_vm:
-            await self._boot(req.id, cfg)
+            await self._boot(req.id, cfg, spec)
         assert self.sandbox is not None
         guest = guestspec.rewrite(spec, req.id)
         for what in guest.dropped:
@@ -126,8 +129,10 @@ class TaskService:
                              terminal=req.terminal), pid=init.pid))
         return api.CreateTaskResponse(pid=init.pid)
 
-    async def _boot(self, container_id: str, cfg: config.Config) -> None:
-        sandbox = Sandbox(self.namespace, container_id, cfg)
+    async def _boot(self, container_id: str, cfg: config.Config, spec: dict) -> None:
+        sandbox = Sandbox(self.namespace, container_id, cfg, _plan(cfg, spec))
+        for line in sandbox.plan.explanation:
+            log.info("sandbox %s plan: %s", container_id, line)
         started = time.monotonic()
         try:
             await sandbox.boot()
@@ -406,6 +411,25 @@ def _read_bundle(bundle: str) -> dict:
     if not isinstance(spec, dict):
         raise TtrpcError(Code.INVALID_ARGUMENT, f"bundle {bundle} has no OCI spec (config.json)")
     return spec
+
+
+def _plan(cfg: config.Config, spec: dict) -> SandboxPlan:
+    """The VM's plan from the pod's totals (CRI's sandbox annotations) or, for a container
+    that is its own pod (ctr run), from its own resources."""
+    annotations = spec.get("annotations") or {}
+    try:
+        if any(k.startswith(annotations_model.CRI) for k in annotations):
+            pod = annotations_model.pod_resources(annotations)
+        else:
+            pod = from_linux_resources((spec.get("linux") or {}).get("resources") or {})
+        req = annotations_model.apply_kata_overrides(
+            request_from_config(cfg, pod), annotations, cfg.qemu.enable_annotations,
+            cfg.source)
+        return plan_sandbox(req, sandbox_host())
+    except NoFit as exc:
+        raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
+    except (PlanError, ValueError, TypeError) as exc:
+        raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: {exc}") from None
 
 
 def _load_config(options) -> config.Config:

@@ -1,0 +1,7 @@
+"""The pure resource model: VM size, sandbox cgroup limits and overhead from one set of
+inputs. No I/O here: actuators (cgroups, hypervisor, agent) apply what it computes."""
+from .model import (ContainerResources, Host, NoFit, PlanError, SandboxPlan, SandboxRequest,
+                    plan_sandbox)
+
+__all__ = ["ContainerResources", "Host", "NoFit", "PlanError", "SandboxPlan",
+           "SandboxRequest", "plan_sandbox"]

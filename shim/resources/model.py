@@ -1,0 +1,172 @@
+"""Sizing rules (resources.md section 2), each one explained in the plan it produces.
+
+- vCPUs = ceil(default_vcpus + quota/period); with no quota (quota <= 0 or period <= 0,
+  as with the static CPU manager or CFS quota disabled), ceil(default_vcpus + shares/1024)
+  where shares above the minimum (2, BestEffort) count.
+- memory = default_memory + the memory limit (MiB, rounded up): `default_*` is the guest's
+  own share, so the RuntimeClass overhead podvm reports makes Kubernetes' view equal the VM.
+- no limits at all: the defaults.
+- sizing "max": max(default, workload) instead of the sum.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import Config
+
+MIB = 1 << 20
+MIN_SHARES = 2
+DEFAULT_PERIOD_US = 100_000
+
+
+class PlanError(ValueError):
+    """Inputs the model cannot use (a malformed or disallowed annotation)."""
+
+
+class NoFit(PlanError):
+    """A plan larger than what it must fit in: the message names the resource and numbers."""
+
+
+@dataclass(frozen=True)
+class ContainerResources:
+    """What one container (or the whole pod, from the sandbox annotations) asks for."""
+
+    cpu_quota: int = 0
+    cpu_period: int = 0
+    cpu_shares: int = 0
+    memory_limit: int = 0
+    """Bytes; 0 = no limit."""
+    cpuset: str = ""
+
+    @property
+    def quota_cpus(self) -> float:
+        if self.cpu_quota > 0 and self.cpu_period > 0:
+            return self.cpu_quota / self.cpu_period
+        return 0.0
+
+    @property
+    def share_cpus(self) -> float:
+        return self.cpu_shares / 1024 if self.cpu_shares > MIN_SHARES else 0.0
+
+
+@dataclass(frozen=True)
+class Host:
+    cpus: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class SandboxRequest:
+    """Everything the plan depends on, already parsed and validated."""
+
+    pod: ContainerResources
+    """The pod's totals: the sandbox annotations, or the sum of its containers."""
+    default_vcpus: int
+    default_memory_mib: int
+    max_vcpus: int
+    """0 = the host's."""
+    max_memory_mib: int
+    """0 = the host's."""
+    sizing: str = "sum"
+    memory_overhead_mib: int = 0
+    """Host memory QEMU itself takes beyond guest RAM (measured)."""
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    vcpus: int
+    memory_mib: int
+    max_vcpus: int
+    max_memory_mib: int
+    cgroup_cpu_quota: int
+    """µs per period for the sandbox cgroup; -1 = unlimited."""
+    cgroup_cpu_period: int
+    cgroup_cpu_shares: int
+    cgroup_memory_limit: int
+    """Bytes; -1 = unlimited."""
+    cpuset: str
+    overhead_memory_mib: int
+    """What the RuntimeClass should declare as overhead.podFixed.memory."""
+    overhead_cpu_millis: int
+    explanation: tuple[str, ...] = field(default=(), compare=False)
+
+
+def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
+    why: list[str] = []
+    pod = req.pod
+    if pod.quota_cpus:
+        workload_cpus = pod.quota_cpus
+        why.append(f"workload CPUs {workload_cpus:g} = quota {pod.cpu_quota} / period "
+                   f"{pod.cpu_period}")
+    elif pod.share_cpus:
+        workload_cpus = pod.share_cpus
+        why.append(f"workload CPUs {workload_cpus:g} = shares {pod.cpu_shares} / 1024 "
+                   f"(no CFS quota)")
+    else:
+        workload_cpus = 0.0
+        why.append("no CPU limit or request: the default vCPUs alone")
+    workload_mib = math.ceil(pod.memory_limit / MIB) if pod.memory_limit > 0 else 0
+    if req.sizing == "max":
+        vcpus = max(req.default_vcpus, math.ceil(workload_cpus))
+        memory = max(req.default_memory_mib, workload_mib)
+        why.append(f"sizing max: vCPUs max({req.default_vcpus}, {math.ceil(workload_cpus)}) "
+                   f"= {vcpus}, memory max({req.default_memory_mib}, {workload_mib}) = "
+                   f"{memory} MiB")
+    else:
+        vcpus = math.ceil(req.default_vcpus + workload_cpus)
+        memory = req.default_memory_mib + workload_mib
+        why.append(f"vCPUs ceil({req.default_vcpus} + {workload_cpus:g}) = {vcpus}; memory "
+                   f"{req.default_memory_mib} + {workload_mib} = {memory} MiB")
+    max_vcpus = req.max_vcpus or host.cpus
+    max_memory = req.max_memory_mib or host.memory_mib
+    if vcpus > max_vcpus:
+        raise NoFit(f"the pod needs {vcpus} vCPUs but at most {max_vcpus} are allowed "
+                        f"({'default_maxvcpus' if req.max_vcpus else 'host CPUs'})")
+    if memory > max_memory:
+        raise NoFit(f"the pod needs {memory} MiB of VM memory but at most {max_memory} MiB "
+                        f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
+    if memory + req.memory_overhead_mib > host.memory_mib:
+        raise NoFit(f"the pod needs {memory} MiB + {req.memory_overhead_mib} MiB QEMU "
+                        f"overhead but the host has {host.memory_mib} MiB")
+    period = pod.cpu_period if pod.cpu_quota > 0 and pod.cpu_period > 0 else DEFAULT_PERIOD_US
+    overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
+    if pod.quota_cpus:
+        quota = math.ceil((pod.quota_cpus + overhead_cpu / 1000) * period)
+        why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = workload + "
+                   f"{overhead_cpu} mCPU overhead")
+    else:
+        quota = -1
+    shares = max(MIN_SHARES, pod.cpu_shares + overhead_cpu * 1024 // 1000) \
+        if pod.cpu_shares else 1024
+    overhead_memory = memory - workload_mib + req.memory_overhead_mib
+    memory_limit = (memory + req.memory_overhead_mib) * MIB if workload_mib else -1
+    if memory_limit > 0:
+        why.append(f"sandbox cgroup memory {memory + req.memory_overhead_mib} MiB = VM "
+                   f"{memory} MiB + QEMU {req.memory_overhead_mib} MiB")
+    why.append(f"RuntimeClass overhead.podFixed: memory {overhead_memory}Mi, "
+               f"cpu {overhead_cpu}m")
+    return SandboxPlan(vcpus=vcpus, memory_mib=memory, max_vcpus=max_vcpus,
+                       max_memory_mib=max_memory, cgroup_cpu_quota=quota,
+                       cgroup_cpu_period=period, cgroup_cpu_shares=shares,
+                       cgroup_memory_limit=memory_limit, cpuset=pod.cpuset,
+                       overhead_memory_mib=overhead_memory, overhead_cpu_millis=overhead_cpu,
+                       explanation=tuple(why))
+
+
+def request_from_config(config: Config, pod: ContainerResources) -> SandboxRequest:
+    q = config.qemu
+    return SandboxRequest(pod=pod, default_vcpus=q.default_vcpus,
+                          default_memory_mib=q.default_memory, max_vcpus=q.default_maxvcpus,
+                          max_memory_mib=q.default_maxmemory)
+
+
+def from_linux_resources(resources: dict) -> ContainerResources:
+    """An OCI LinuxResources object (what a container without a pod asks for)."""
+    cpu = resources.get("cpu") or {}
+    memory = resources.get("memory") or {}
+    return ContainerResources(cpu_quota=int(cpu.get("quota") or 0),
+                              cpu_period=int(cpu.get("period") or 0),
+                              cpu_shares=int(cpu.get("shares") or 0),
+                              memory_limit=max(0, int(memory.get("limit") or 0)),
+                              cpuset=str(cpu.get("cpus") or ""))

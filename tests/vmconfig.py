@@ -1,0 +1,40 @@
+"""The guest image the tests boot, and a podvm configuration that uses it under TCG
+(a guest kernel hangs under nested KVM on our machines)."""
+from __future__ import annotations
+
+import pathlib
+
+from shim.config import Config, QemuConfig, RuntimeConfig
+from tests.conftest import require, require_tool
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GUEST = ROOT / "build" / "guest"
+
+
+def guest_image() -> tuple[str, str]:
+    require_tool("qemu-system-x86_64", "qemu-system-x86")
+    kernel, initrd = GUEST / "vmlinux", GUEST / "initrd.img"
+    require(kernel.is_file() and initrd.is_file(), f"the guest image in {GUEST} (make guest)")
+    return str(kernel), str(initrd)
+
+
+def test_config(**qemu: object) -> Config:
+    kernel, initrd = guest_image()
+    fields = dict(kernel=kernel, initrd=initrd, accel="tcg", default_vcpus=1,
+                  default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
+                  boot_timeout=60)
+    fields.update(qemu)
+    return Config(qemu=QemuConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
+
+
+def write_test_config(path: pathlib.Path, **qemu: object) -> pathlib.Path:
+    """The same configuration as a TOML file, for a shim started by containerd."""
+    q = test_config(**qemu).qemu
+    lines = ["[hypervisor.qemu]"]
+    for key in ("kernel", "initrd", "accel"):
+        lines.append(f'{key} = "{getattr(q, key)}"')
+    for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
+                "boot_timeout"):
+        lines.append(f"{key} = {getattr(q, key)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
