@@ -1,39 +1,69 @@
 """A private containerd for tests and the demo: its own root, state and sockets, podvm
-registered, stopped and cleaned up afterwards."""
+registered, stopped and cleaned up afterwards.
+
+With `cri=True` it also serves the CRI (what kubelet and crictl speak) with two runtimes:
+`runc` (the default) and `podvm`, the latter built from the packaged snippet
+packaging/containerd/config-v2.toml so that the snippet users install is the one tested.
+Pods use the node's network (no CNI here) and a locally built pause image.
+"""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import tomllib
+import uuid
 
 from . import image
 
 SHIM_BIN_DIR = pathlib.Path(sys.executable).parent  # the venv with containerd-shim-podvm-v2
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+PODVM_SNIPPET = REPO_ROOT / "packaging" / "containerd" / "config-v2.toml"
+CRI_PLUGIN = "io.containerd.grpc.v1.cri"
+CRI_NAMESPACE = "k8s.io"  # where the CRI plugin keeps its images, containers and tasks
 
 
 class Containerd:
-    def __init__(self, workdir: pathlib.Path, namespace: str = "podvm-test") -> None:
+    def __init__(self, workdir: pathlib.Path, namespace: str = "podvm-test", cri: bool = False,
+                 podvm_config: str | os.PathLike | None = None) -> None:
         self.workdir = workdir
         self.namespace = namespace
+        self.cri = cri
+        self.podvm_config = None if podvm_config is None else str(podvm_config)
         self.root = workdir / "root"
         self.state = workdir / "state"
         self.address = str(workdir / "containerd.sock")
         self.ttrpc_address = self.address + ".ttrpc"
         self.config = workdir / "config.toml"
         self.log_path = workdir / "containerd.log"
+        self.cni_dir = workdir / "cni"
         self.process: subprocess.Popen | None = None
+        # Tests' pods go under a cgroup parent of their own (LinuxPodSandboxConfig
+        # .cgroup_parent), which stop() removes: without one, runc leaves /k8s.io in every
+        # hierarchy, shared with any other containerd on the machine.
+        self.cgroup_parent = f"/podvm-test-{uuid.uuid4().hex[:12]}"
+        self._cgroups_before: set[str] = set()
+        # What stop() had to force or could not clean (pods it could not remove, shims
+        # left running, our cgroups left): each is a failure of the test that ran.
+        self.forced: list[str] = []
 
-    def start(self, timeout: float = 30) -> "Containerd":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(f"""\
+    @property
+    def cri_endpoint(self) -> str:
+        return "unix://" + self.address
+
+    def config_text(self) -> str:
+        text = f"""\
 version = 2
 root = "{self.root}"
 state = "{self.state}"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
+disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
 
 [grpc]
   address = "{self.address}"
@@ -43,7 +73,48 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 
 [debug]
   level = "debug"
-""")
+
+# Managed binaries (none here): keep containerd from making /opt/containerd.
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{self.root / 'opt'}"
+"""
+        if self.cri:
+            text += self._cri_config() + "\n" + podvm_runtime_section(self.podvm_config)
+        return text
+
+    def _cri_config(self) -> str:
+        # The streaming server (exec/attach URLs) must not take the system's port 10010.
+        # Without CAP_SYS_RESOURCE (some CI sandboxes drop it) runc cannot lower a
+        # process's oom_score_adj, and CRI asks -998 for every pause container: there,
+        # restrict_oom_score_adj keeps each at no lower than containerd's own.
+        return f"""
+[plugins."{CRI_PLUGIN}"]
+  sandbox_image = "{image.PAUSE_IMAGE_NAME}"
+  restrict_oom_score_adj = {str(not _has_cap_sys_resource()).lower()}
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "{_free_port()}"
+
+  # No CNI: test pods use the node's network. Private, empty directories so that the
+  # system's CNI configuration is neither read nor needed.
+  [plugins."{CRI_PLUGIN}".cni]
+    bin_dir = "{self.cni_dir / 'bin'}"
+    conf_dir = "{self.cni_dir / 'net.d'}"
+
+  [plugins."{CRI_PLUGIN}".containerd]
+    default_runtime_name = "runc"
+
+  [plugins."{CRI_PLUGIN}".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+
+  # runc's container state here, not in the machine-wide /run/containerd/runc.
+  [plugins."{CRI_PLUGIN}".containerd.runtimes.runc.options]
+    Root = "{self.state / 'runc'}"
+"""
+
+    def start(self, timeout: float = 30) -> "Containerd":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(self.config_text())
+        self._cgroups_before = set(cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace))
         env = dict(os.environ, PATH=f"{SHIM_BIN_DIR}:{os.environ.get('PATH', '')}")
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(["containerd", "--config", str(self.config)],
@@ -54,14 +125,26 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             if self.process.poll() is not None:
                 raise RuntimeError(f"containerd exited {self.process.returncode}:\n{self.log()}")
             if os.path.exists(self.address) and self.ctr("version", check=False).returncode == 0:
-                return self
+                if not self.cri or self._cri_ready():
+                    return self
             time.sleep(0.1)
         raise RuntimeError(f"containerd did not come up in {timeout}s:\n{self.log()}")
 
+    def _cri_ready(self) -> bool:
+        from .criclient import CriClient, CriError  # grpc only for CRI harnesses
+
+        with CriClient(self.cri_endpoint, timeout=2) as client:
+            try:
+                client.runtime("Version", _cri().VersionRequest())
+            except CriError:
+                return False
+        return True
+
     def ctr(self, *args: str, check: bool = True, timeout: float = 120,
-            input: bytes | None = None) -> subprocess.CompletedProcess:
+            input: bytes | None = None, namespace: str | None = None
+            ) -> subprocess.CompletedProcess:
         result = subprocess.run(["ctr", "--address", self.address, "--namespace",
-                                 self.namespace, *args], capture_output=True,
+                                 namespace or self.namespace, *args], capture_output=True,
                                 timeout=timeout, input=input)
         if check and result.returncode != 0:
             raise RuntimeError(f"ctr {' '.join(args)} exited {result.returncode}: "
@@ -73,14 +156,47 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         self.ctr("images", "import", str(archive))
         return image.IMAGE_NAME
 
+    def import_cri_images(self, cache: pathlib.Path) -> str:
+        """busybox and the pause image into the CRI's namespace; returns busybox's name."""
+        for archive in (image.build_archive(cache / "busybox-oci.tar"),
+                        image.build_pause_archive(cache / "pause-oci.tar")):
+            self.ctr("images", "import", str(archive), namespace=CRI_NAMESPACE)
+        return image.IMAGE_NAME
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
+    def remove_everything(self) -> None:
+        """Every pod through the CRI (so it unmounts /dev/shm and forgets them), then any
+        task and container through containerd: their shims exit with them, which they
+        would not do when containerd stops."""
+        if self.cri:
+            from .criclient import CriClient
+
+            api = _cri()
+            with CriClient(self.cri_endpoint, timeout=60) as client:
+                for pod in client.runtime("ListPodSandbox", api.ListPodSandboxRequest()).items:
+                    client.runtime("StopPodSandbox",
+                                   api.StopPodSandboxRequest(pod_sandbox_id=pod.id))
+                    client.runtime("RemovePodSandbox",
+                                   api.RemovePodSandboxRequest(pod_sandbox_id=pod.id))
+        namespaces = self.ctr("namespaces", "ls", "-q").stdout.decode().split()
+        for ns in namespaces:
+            for task in self.ctr("tasks", "ls", "-q", namespace=ns).stdout.decode().split():
+                self.ctr("tasks", "kill", "-s", "SIGKILL", task, namespace=ns, check=False)
+                self.ctr("tasks", "delete", "-f", task, namespace=ns, check=False)
+            for ctr in self.ctr("containers", "ls", "-q", namespace=ns).stdout.decode().split():
+                self.ctr("containers", "delete", ctr, namespace=ns, check=False)
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            try:
+                self.remove_everything()
+            except Exception as exc:  # keep tearing down; the shim check below reports it
+                self.forced.append(f"removing pods and tasks failed: {exc}")
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=20)
@@ -89,16 +205,84 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
                 self.process.wait()
         if getattr(self, "_log", None):
             self._log.close()
+        for pid, cmdline in shims_of(self.address):
+            self.forced.append(f"killed shim {pid}: {cmdline}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for mount in reversed(mounts_under(self.workdir)):
             subprocess.run(["umount", "-l", mount], check=False)
+        self._remove_cgroups()
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.state, ignore_errors=True)
+        shutil.rmtree(self.cni_dir, ignore_errors=True)
+
+    def _remove_cgroups(self) -> None:
+        """Our pods' cgroup parent, and the per-namespace parents runc made for containers
+        without one (only those this run created, only when empty)."""
+        ours = cgroup_dirs(self.cgroup_parent.strip("/"))
+        made = [d for d in cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace)
+                if d not in self._cgroups_before]
+        for top in ours + made:
+            for dirpath in sorted((w[0] for w in os.walk(top)), key=lambda d: -d.count("/")):
+                try:
+                    os.rmdir(dirpath)  # a cgroup goes once it has no tasks and no children
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    if top in ours:
+                        self.forced.append(f"cgroup {dirpath} left: {exc.strerror}")
+                    break
 
     def __enter__(self) -> "Containerd":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _cri():
+    from shim.pb.cri import api_pb2
+
+    return api_pb2
+
+
+def podvm_runtime_section(config_path: str | None) -> str:
+    """The packaged podvm runtime snippet, with ConfigPath replaced when one is given."""
+    text = PODVM_SNIPPET.read_text()
+    if config_path is not None:
+        text, count = re.subn(r'(?m)^(\s*)ConfigPath\s*=\s*"[^"\n]*"[ \t]*$',
+                              lambda m: f"{m.group(1)}ConfigPath = {json.dumps(config_path)}",
+                              text)
+        if count != 1:
+            raise RuntimeError(f"{PODVM_SNIPPET}: expected one ConfigPath line, found {count}")
+    runtime = tomllib.loads(text)["plugins"][CRI_PLUGIN]["containerd"]["runtimes"]["podvm"]
+    if runtime.get("runtime_type") != "io.containerd.podvm.v2":
+        raise RuntimeError(f"{PODVM_SNIPPET}: runtime_type is not io.containerd.podvm.v2")
+    return text
+
+
+def cgroup_dirs(name: str) -> list[str]:
+    """`name` (relative to the root cgroup) in every mounted hierarchy where it exists."""
+    found = [os.path.join("/sys/fs/cgroup", name)]  # cgroup v2 mounted at /sys/fs/cgroup
+    found += [os.path.join(h, name) for h in
+              (os.path.join("/sys/fs/cgroup", e) for e in os.listdir("/sys/fs/cgroup"))]
+    unique = {os.path.realpath(d): d for d in found  # cpu,cpuacct links to cpu ...
+              if os.path.isfile(os.path.join(d, "cgroup.procs"))}
+    return sorted(unique)
+
+
+def _has_cap_sys_resource() -> bool:
+    with open("/proc/self/status") as f:
+        caps = next(line for line in f if line.startswith("CapEff:")).split()[1]
+    return bool(int(caps, 16) >> 24 & 1)  # CAP_SYS_RESOURCE is capability 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def mounts_under(path: pathlib.Path) -> list[str]:
@@ -108,8 +292,7 @@ def mounts_under(path: pathlib.Path) -> list[str]:
     return [p for p in points if p == prefix or p.startswith(prefix + "/")]
 
 
-def podvm_shims() -> list[str]:
-    """Command lines of every running podvm shim daemon."""
+def _processes(marker: bytes) -> list[tuple[int, str]]:
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -118,6 +301,25 @@ def podvm_shims() -> list[str]:
             cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"containerd-shim-podvm-v2" in cmdline:
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+        if marker in cmdline:
+            found.append((int(pid), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def podvm_shims() -> list[str]:
+    """Command lines of every running podvm shim daemon."""
+    return [cmdline for _, cmdline in _processes(b"containerd-shim-podvm-v2")]
+
+
+def shims_of(address: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every shim (runc's or podvm's) serving the containerd at
+    `address`: shims outlive containerd, so these are what a test run could leave."""
+    found = []
+    for pid, cmdline in _processes(b"containerd-shim-"):
+        args = cmdline.split()
+        # podvm's daemon runs as `python .../containerd-shim-podvm-v2 ...`
+        program = next((a for a in args[:2] if "containerd-shim-" in os.path.basename(a)),
+                       None)
+        if program and address in args:
+            found.append((pid, cmdline))
     return found

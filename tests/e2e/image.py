@@ -1,4 +1,5 @@
-"""A busybox image built from Debian's busybox-static, as an OCI archive `ctr` imports.
+"""A busybox image built from Debian's busybox-static, as an OCI archive `ctr` imports,
+and a pause image (the same layer, an entrypoint that sleeps forever) for CRI sandboxes.
 
 No registry is reachable here, so the pod images are made locally and reproducibly.
 """
@@ -13,6 +14,12 @@ import tarfile
 
 BUSYBOX = "/bin/busybox"
 IMAGE_NAME = "docker.io/library/busybox:podvm"
+# containerd's CRI `sandbox_image` in the test harness. A local name, so no one mistakes it
+# for (or containerd tries to pull) the registry's pause image.
+PAUSE_IMAGE_NAME = "localhost/podvm/pause:local"
+# What the pause container runs: it only has to hold the pod's namespaces, and CRI stops it
+# with SIGKILL (PID 1 ignores SIGTERM without a handler).
+PAUSE_ENTRYPOINT = ["/bin/sleep", "2147483647"]
 
 
 def _blob(layout: dict[str, bytes], data: bytes) -> str:
@@ -46,16 +53,25 @@ def _layer() -> bytes:
     return buf.getvalue()
 
 
-def build_archive(path: pathlib.Path, name: str = IMAGE_NAME) -> pathlib.Path:
-    """Write an OCI image archive of busybox to `path` (reused when it exists)."""
+def build_archive(path: pathlib.Path, name: str = IMAGE_NAME,
+                  entrypoint: list[str] | None = None) -> pathlib.Path:
+    """Write an OCI image archive of busybox to `path` (reused when it exists).
+
+    Without `entrypoint` the image runs `sh` (busybox's usual default); with one, that is
+    the image's Entrypoint and it has no Cmd (the pause image)."""
     if path.exists():
         return path
     blobs: dict[str, bytes] = {}
     layer = _layer()
     layer_digest = _blob(blobs, layer)
+    image_config: dict = {"Env": ["PATH=/bin"], "WorkingDir": "/"}
+    if entrypoint is None:
+        image_config["Cmd"] = ["sh"]
+    else:
+        image_config["Entrypoint"] = entrypoint
     config = json.dumps({
         "architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/bin"], "Cmd": ["sh"], "WorkingDir": "/"},
+        "config": image_config,
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
     }, sort_keys=True).encode()
     config_digest = _blob(blobs, config)
@@ -84,3 +100,8 @@ def build_archive(path: pathlib.Path, name: str = IMAGE_NAME) -> pathlib.Path:
             tar.addfile(info, io.BytesIO(data))
     tmp.replace(path)
     return path
+
+
+def build_pause_archive(path: pathlib.Path) -> pathlib.Path:
+    """Write the pause image's OCI archive to `path` (reused when it exists)."""
+    return build_archive(path, PAUSE_IMAGE_NAME, entrypoint=PAUSE_ENTRYPOINT)
