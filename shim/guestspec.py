@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 
 GUEST_SHARED = "/run/podvm/shared"
+SANDBOX_NS = "podvm:sandbox"
+"""A namespace path the agent resolves to the guest sandbox container's."""
 _HOST_KERNEL_PATHS = ("/dev", "/proc", "/sys")
 _SHM_TMPFS = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}
@@ -75,7 +77,9 @@ def rewrite(spec: dict, container_id: str) -> GuestSpec:
             if ns.get("path"):
                 dropped.append(f"network namespace {ns['path']} (pod networking comes later)")
             continue
-        namespaces.append({k: v for k, v in ns.items() if k != "path"})
+        if ns.get("path"):  # the pod's namespace, held by the sandbox container's init
+            ns = {"type": ns.get("type"), "path": SANDBOX_NS}
+        namespaces.append(ns)
     linux["namespaces"] = namespaces
     return GuestSpec(spec, tuple(binds), tuple(dropped))
 

@@ -18,7 +18,7 @@ def guest_image() -> tuple[str, str]:
     return str(kernel), str(initrd)
 
 
-def test_config(**qemu: object) -> Config:
+def vm_config(**qemu: object) -> Config:
     kernel, initrd = guest_image()
     fields = dict(kernel=kernel, initrd=initrd, accel="tcg", default_vcpus=1,
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
@@ -29,7 +29,7 @@ def test_config(**qemu: object) -> Config:
 
 def write_test_config(path: pathlib.Path, **qemu: object) -> pathlib.Path:
     """The same configuration as a TOML file, for a shim started by containerd."""
-    q = test_config(**qemu).qemu
+    q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
     for key in ("kernel", "initrd", "accel"):
         lines.append(f'{key} = "{getattr(q, key)}"')

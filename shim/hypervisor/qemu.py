@@ -108,7 +108,7 @@ class QemuVM(VM):
             stderr.close()
         try:
             async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
-                await self._attach_and_boot()
+                await self._first_of(self._attach_and_boot(), self._exited_early())
         except TimeoutError:
             await self.stop(timeout=0)
             raise BootTimeout(self._boot_timeout_message()) from None
@@ -116,17 +116,30 @@ class QemuVM(VM):
             await self.stop(timeout=0)
             raise
 
+    @staticmethod
+    async def _first_of(*coros) -> None:
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _exited_early(self) -> None:
+        assert self._proc is not None
+        status = await self._proc.wait()
+        raise HypervisorError(f"QEMU exited with status {status} before the guest came up: "
+                              f"{self._qemu_log_tail()}; guest console ends with: "
+                              f"{_tail(self.console_log) or '(nothing)'}")
+
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
-        while True:
-            if self._proc is not None and self._proc.returncode is not None:
-                raise HypervisorError(f"QEMU exited with status {self._proc.returncode} "
-                                      f"before booting: {self._qemu_log_tail()}")
-            try:
-                await qmp.connect(self.qmp_socket)
-                break
-            except Exception:  # not listening yet
-                await asyncio.sleep(0.01)
+        while not os.path.exists(self.qmp_socket):
+            await asyncio.sleep(0.005)
+        await qmp.connect(self.qmp_socket)
         self._qmp = qmp
         with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
             await qmp.execute("cont")

@@ -10,12 +10,12 @@ from shim.agent import Agent
 from shim.hypervisor import BootTimeout, MissingFile, ThreadRole, VMSpec
 from shim.hypervisor.qemu import QemuVM
 from tests.conftest import require, require_root
-from tests.vmconfig import test_config
+from tests.vmconfig import vm_config
 
 
 def spec(tmp_path: pathlib.Path, **qemu: object) -> VMSpec:
     require_root()
-    cfg = test_config(**qemu)
+    cfg = vm_config(**qemu)
     (tmp_path / "shared").mkdir(exist_ok=True)
     return VMSpec(sandbox_id="hv-test", workdir=str(tmp_path / "vm"),
                   shared_dir=str(tmp_path / "shared"), vcpus=2, max_vcpus=4, memory_mib=256,

@@ -53,7 +53,8 @@ def test_host_only_parts_are_dropped_and_said() -> None:
     assert "cgroupsPath" not in linux and "hooks" not in g.spec
     assert linux["resources"]["cpu"] == {"quota": 50000, "period": 100000}
     assert linux["resources"]["memory"] == {"limit": 134217728}
-    assert linux["namespaces"] == [{"type": "pid"}, {"type": "ipc"}, {"type": "mount"}]
+    assert linux["namespaces"] == [{"type": "pid"}, {"type": "ipc", "path": "podvm:sandbox"},
+                                   {"type": "mount"}]
     text = " ".join(g.dropped)
     for word in ("/dev/shm", "/dev/kmsg", "hooks", "cpus", "mems", "cni-1"):
         assert word in text

@@ -1,0 +1,1 @@
+"""The podvm guest agent."""

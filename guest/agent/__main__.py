@@ -1,0 +1,37 @@
+"""Run the agent: PID 1 of the guest after /init. Logs go to the serial console."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+from shim.pb.agent import agent_pb2
+from shim.ttrpc import Server, bind
+
+from .port import open_port, wait_for_port
+from .reaper import REAPER
+from .service import AgentService
+
+log = logging.getLogger("podvm.agent")
+
+
+async def main() -> None:
+    REAPER.install()
+    service = AgentService()
+    server = Server([bind(agent_pb2.DESCRIPTOR.services_by_name["Agent"], service)])
+    oom = asyncio.create_task(service.watch_oom())
+    path = await wait_for_port()
+    log.info("serving podvm.agent.v1.Agent on %s, %.2fs after boot", path, time.monotonic())
+    while True:
+        reader, writer = await open_port(path)
+        await server.serve_stream(reader, writer)
+        log.info("host closed the agent port; serving it again")
+        await asyncio.sleep(0.05)
+    oom.cancel()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="podvm-agent: %(levelname)s %(message)s")
+    asyncio.run(main())

@@ -1,0 +1,198 @@
+"""Containers and processes inside the guest, with the stdio the host reads and writes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from shim.pb.agent import agent_pb2 as pb
+from shim.ttrpc import Code, TtrpcError
+
+from . import runc
+from .reaper import REAPER
+from .streams import Stream
+
+
+@dataclass(eq=False)
+class Process:
+    container_id: str
+    exec_id: str
+    pid: int = 0
+    stdin: Stream | None = None
+    stdout: Stream | None = None
+    stderr: Stream | None = None
+    pty: Stream | None = None
+    exit_status: int | None = None
+    exited_at_ns: int = 0
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def stream(self, name: str) -> Stream | None:
+        if self.pty is not None:
+            return self.pty if name in ("stdout", "stdin") else None
+        return getattr(self, name)
+
+    def follow(self) -> None:
+        """Record the exit when the reaper sees it."""
+        def done(future: asyncio.Future[int]) -> None:
+            self.exit_status, self.exited_at_ns = future.result(), time.time_ns()
+            self.exited.set()
+        REAPER.watch(self.pid).add_done_callback(done)
+
+    def close(self) -> None:
+        for s in (self.stdin, self.stdout, self.stderr, self.pty):
+            if s is not None:
+                s.close()
+
+
+@dataclass(eq=False)
+class Container:
+    id: str
+    sandbox: bool
+    init: Process
+    execs: dict[str, Process] = field(default_factory=dict)
+
+    def process(self, exec_id: str) -> Process:
+        if not exec_id:
+            return self.init
+        proc = self.execs.get(exec_id)
+        if proc is None:
+            raise TtrpcError(Code.NOT_FOUND, f"exec {exec_id} of container {self.id} not found")
+        return proc
+
+
+class Stdio:
+    """The fds runc hands the process, and the agent's ends of them."""
+
+    def __init__(self, want: pb.Stdio) -> None:
+        self.want = want
+        self.child: list[int] = []
+        self.ours: dict[str, int] = {}
+        self.console: socket.socket | None = None
+        self.console_path = ""
+        self._tmp = ""
+
+    def __enter__(self) -> "Stdio":
+        if self.want.terminal:
+            self._tmp = tempfile.mkdtemp(prefix="console-", dir="/run")
+            self.console_path = os.path.join(self._tmp, "sock")
+            self.console = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.console.bind(self.console_path)
+            self.console.listen(1)
+            self.console.setblocking(False)
+            return self
+        for name, child_reads in (("stdin", True), ("stdout", False), ("stderr", False)):
+            if getattr(self.want, name):
+                r, w = os.pipe()
+                child, ours = (r, w) if child_reads else (w, r)
+                self.child.append(child)
+                self.ours[name] = ours
+            else:
+                self.child.append(os.open(os.devnull, os.O_RDWR))
+        return self
+
+    def fds(self) -> dict[str, int | None]:
+        if self.want.terminal:
+            return {"stdin": None, "stdout": None, "stderr": None}
+        return dict(zip(("stdin", "stdout", "stderr"), self.child))
+
+    async def receive_pty(self) -> Stream:
+        assert self.console is not None
+        loop = asyncio.get_running_loop()
+        conn, _ = await asyncio.wait_for(loop.sock_accept(self.console), 30)
+        with conn:
+            conn.setblocking(True)
+            _, fds, _, _ = await loop.run_in_executor(None, socket.recv_fds, conn, 1024, 1)
+        if not fds:
+            raise TtrpcError(Code.INTERNAL, "runc sent no terminal")
+        return Stream(fds[0])
+
+    def attach(self, proc: Process) -> None:
+        for name, fd in self.ours.items():
+            setattr(proc, name, Stream(fd))
+        self.ours.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.child:
+            os.close(fd)
+        for fd in self.ours.values():
+            os.close(fd)
+        if self.console is not None:
+            self.console.close()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+async def create(container_id: str, spec: dict, want: pb.Stdio, sandbox: bool) -> Container:
+    bundle = runc.bundle_dir(container_id)
+    os.makedirs(bundle, exist_ok=True)
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(spec, f)
+    pid_file = os.path.join(bundle, "init.pid")
+    proc = Process(container_id, "")
+    with Stdio(want) as stdio:
+        # --no-pivot: the guest root is the initramfs, which pivot_root cannot leave;
+        # the VM, not the mount namespace, is the isolation boundary here.
+        args = ["create", "--no-pivot", "--bundle", bundle, "--pid-file", pid_file]
+        if want.terminal:
+            args += ["--console-socket", stdio.console_path]
+        args.append(container_id)
+        fds = stdio.fds()
+        created = asyncio.create_task(runc.runc(container_id, *args, stdin=fds["stdin"],
+                                                stdout=fds["stdout"], stderr=fds["stderr"]))
+        if want.terminal:
+            pty = asyncio.create_task(stdio.receive_pty())
+            await asyncio.wait([created, pty], return_when=asyncio.FIRST_EXCEPTION)
+            if created.done() and created.exception():
+                pty.cancel()
+                raise created.exception()  # type: ignore[misc]
+            proc.pty = await pty
+        await created
+        stdio.attach(proc)
+    with open(pid_file) as f:
+        proc.pid = int(f.read().strip())
+    proc.follow()
+    return Container(container_id, sandbox, proc)
+
+
+async def exec_process(container: Container, exec_id: str, process: dict,
+                       want: pb.Stdio) -> Process:
+    bundle = runc.bundle_dir(container.id)
+    process_file = os.path.join(bundle, f"exec-{exec_id}.json")
+    pid_file = os.path.join(bundle, f"exec-{exec_id}.pid")
+    process["terminal"] = bool(want.terminal)
+    with open(process_file, "w") as f:
+        json.dump(process, f)
+    proc = Process(container.id, exec_id)
+    try:
+        with Stdio(want) as stdio:
+            args = ["exec", "--detach", "--process", process_file, "--pid-file", pid_file]
+            if want.terminal:
+                args += ["--console-socket", stdio.console_path]
+            fds = stdio.fds()
+            started = asyncio.create_task(runc.runc(
+                container.id, *args, container.id, stdin=fds["stdin"], stdout=fds["stdout"],
+                stderr=fds["stderr"]))
+            if want.terminal:
+                pty = asyncio.create_task(stdio.receive_pty())
+                await asyncio.wait([started, pty], return_when=asyncio.FIRST_EXCEPTION)
+                if started.done() and started.exception():
+                    pty.cancel()
+                    raise started.exception()  # type: ignore[misc]
+                proc.pty = await pty
+            await started
+            stdio.attach(proc)
+        with open(pid_file) as f:
+            proc.pid = int(f.read().strip())
+    finally:
+        for path in (process_file, pid_file):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    proc.follow()
+    return proc

@@ -1,0 +1,234 @@
+"""podvm.agent.v1.Agent: what the shim asks of the guest."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import shutil
+import time
+
+from google.protobuf.empty_pb2 import Empty
+
+from shim.pb.agent import agent_pb2 as pb
+from shim.ttrpc import Code, Context, TtrpcError
+
+from . import containers, oci, resources, runc
+from .containers import Container
+
+log = logging.getLogger("podvm.agent")
+
+VERSION = "0.1.0"
+
+
+class AgentService:
+    def __init__(self) -> None:
+        self.containers: dict[str, Container] = {}
+        self._oom: asyncio.Queue[str] = asyncio.Queue()
+        self._oom_counts: dict[str, int] = {}
+
+    def _container(self, container_id: str) -> Container:
+        container = self.containers.get(container_id)
+        if container is None:
+            raise TtrpcError(Code.NOT_FOUND, f"container {container_id!r} not found in the guest")
+        return container
+
+    def _sandbox_pid(self) -> int:
+        for c in self.containers.values():
+            if c.sandbox:
+                return c.init.pid
+        return 0
+
+    async def Ping(self, req: pb.PingRequest, ctx: Context) -> pb.PingResponse:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        cpus, memory = resources.online()
+        return pb.PingResponse(agent_version=VERSION, kernel_release=os.uname().release,
+                               online_cpus=cpus, memory_total_bytes=memory,
+                               uptime_seconds=uptime)
+
+    async def CreateContainer(self, req: pb.CreateContainerRequest,
+                              ctx: Context) -> pb.CreateContainerResponse:
+        if req.container_id in self.containers:
+            raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.container_id} exists")
+        try:
+            spec = json.loads(req.spec_json)
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"spec is not JSON: {exc}") from None
+        root = (spec.get("root") or {}).get("path", "")
+        if not os.path.isdir(root):
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"container {req.container_id}: rootfs {root!r} is not shared")
+        spec = oci.guest_spec(spec, req.container_id, self._sandbox_pid())
+        container = await containers.create(req.container_id, spec, req.stdio, req.sandbox)
+        self.containers[req.container_id] = container
+        log.info("created %s (pid %d)", req.container_id, container.init.pid)
+        return pb.CreateContainerResponse(pid=container.init.pid)
+
+    async def StartContainer(self, req: pb.StartContainerRequest,
+                             ctx: Context) -> pb.StartContainerResponse:
+        container = self._container(req.container_id)
+        await runc.runc(req.container_id, "start", req.container_id)
+        return pb.StartContainerResponse(pid=container.init.pid)
+
+    async def ExecProcess(self, req: pb.ExecProcessRequest,
+                          ctx: Context) -> pb.ExecProcessResponse:
+        container = self._container(req.container_id)
+        if req.exec_id in container.execs:
+            raise TtrpcError(Code.ALREADY_EXISTS, f"exec {req.exec_id} exists")
+        try:
+            process = json.loads(req.process_json)
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"process is not JSON: {exc}") from None
+        proc = await containers.exec_process(container, req.exec_id, process, req.stdio)
+        container.execs[req.exec_id] = proc
+        return pb.ExecProcessResponse(pid=proc.pid)
+
+    async def SignalProcess(self, req: pb.SignalProcessRequest, ctx: Context) -> Empty:
+        container = self._container(req.container_id)
+        proc = container.process(req.exec_id)
+        if proc.exited.is_set():
+            raise TtrpcError(Code.NOT_FOUND, f"process {proc.pid} already exited")
+        if req.exec_id:
+            os.kill(proc.pid, req.signal)
+        else:
+            args = ["kill", *(["--all"] if req.all else []), req.container_id, str(req.signal)]
+            await runc.runc(req.container_id, *args)
+        return Empty()
+
+    async def WaitProcess(self, req: pb.WaitProcessRequest,
+                          ctx: Context) -> pb.WaitProcessResponse:
+        proc = self._container(req.container_id).process(req.exec_id)
+        await proc.exited.wait()
+        response = pb.WaitProcessResponse(exit_status=proc.exit_status or 0)
+        response.exited_at.FromNanoseconds(proc.exited_at_ns)
+        return response
+
+    async def ListPids(self, req: pb.ListPidsRequest, ctx: Context) -> pb.ListPidsResponse:
+        container = self._container(req.container_id)
+        out = await runc.runc(req.container_id, "ps", "--format", "json", req.container_id)
+        execs = {p.pid: e for e, p in container.execs.items()}
+        return pb.ListPidsResponse(processes=[pb.ProcessEntry(pid=pid, exec_id=execs.get(pid, ""))
+                                              for pid in json.loads(out or b"[]") or []])
+
+    async def ContainerStats(self, req: pb.ContainerStatsRequest,
+                             ctx: Context) -> pb.ContainerStatsResponse:
+        self._container(req.container_id)
+        return pb.ContainerStatsResponse(metrics=resources.metrics(req.container_id))
+
+    async def UpdateContainer(self, req: pb.UpdateContainerRequest, ctx: Context) -> Empty:
+        self._container(req.container_id)
+        path = os.path.join(runc.bundle_dir(req.container_id), "update.json")
+        with open(path, "wb") as f:
+            f.write(req.resources_json)
+        await runc.runc(req.container_id, "update", "--resources", path, req.container_id)
+        return Empty()
+
+    async def PauseContainer(self, req: pb.PauseContainerRequest, ctx: Context) -> Empty:
+        self._container(req.container_id)
+        await runc.runc(req.container_id, "pause", req.container_id)
+        return Empty()
+
+    async def ResumeContainer(self, req: pb.ResumeContainerRequest, ctx: Context) -> Empty:
+        self._container(req.container_id)
+        await runc.runc(req.container_id, "resume", req.container_id)
+        return Empty()
+
+    async def RemoveContainer(self, req: pb.RemoveContainerRequest, ctx: Context) -> Empty:
+        container = self._container(req.container_id)
+        try:
+            await runc.runc(req.container_id, "delete", "--force", req.container_id)
+        except TtrpcError as exc:
+            if exc.code != Code.NOT_FOUND:
+                raise
+        for proc in (container.init, *container.execs.values()):
+            proc.close()
+        del self.containers[req.container_id]
+        self._oom_counts.pop(req.container_id, None)
+        shutil.rmtree(runc.bundle_dir(req.container_id), ignore_errors=True)
+        for leftover in (runc.log_path(req.container_id),):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+        log.info("removed %s", req.container_id)
+        return Empty()
+
+    async def _read(self, req: pb.ReadStreamRequest, name: str) -> pb.ReadStreamResponse:
+        proc = self._container(req.container_id).process(req.exec_id)
+        stream = proc.stream(name)
+        if stream is None:
+            return pb.ReadStreamResponse()
+        return pb.ReadStreamResponse(data=await stream.read(req.max_bytes or 65536))
+
+    async def ReadStdout(self, req: pb.ReadStreamRequest, ctx: Context) -> pb.ReadStreamResponse:
+        return await self._read(req, "stdout")
+
+    async def ReadStderr(self, req: pb.ReadStreamRequest, ctx: Context) -> pb.ReadStreamResponse:
+        return await self._read(req, "stderr")
+
+    async def WriteStdin(self, req: pb.WriteStreamRequest,
+                         ctx: Context) -> pb.WriteStreamResponse:
+        proc = self._container(req.container_id).process(req.exec_id)
+        stream = proc.stream("stdin")
+        if stream is None or stream.fd < 0:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "the process has no open stdin")
+        return pb.WriteStreamResponse(written=await stream.write(req.data))
+
+    async def CloseStdin(self, req: pb.CloseStdinRequest, ctx: Context) -> Empty:
+        proc = self._container(req.container_id).process(req.exec_id)
+        if proc.pty is None and proc.stdin is not None:
+            proc.stdin.close()
+        elif proc.pty is not None:
+            await proc.pty.write(b"\x04")  # end of file on a terminal
+        return Empty()
+
+    async def ResizeTty(self, req: pb.ResizeTtyRequest, ctx: Context) -> Empty:
+        proc = self._container(req.container_id).process(req.exec_id)
+        if proc.pty is None:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "the process has no terminal")
+        import fcntl
+        import struct
+        import termios
+        fcntl.ioctl(proc.pty.fd, termios.TIOCSWINSZ,
+                    struct.pack("HHHH", req.height, req.width, 0, 0))
+        return Empty()
+
+    async def OnlineCPUMem(self, req: pb.OnlineCPUMemRequest,
+                           ctx: Context) -> pb.OnlineCPUMemResponse:
+        deadline = time.monotonic() + 10
+        while True:
+            resources.online_hotplugged()
+            cpus, memory = resources.online()
+            if cpus >= req.wait_cpus or time.monotonic() > deadline:
+                return pb.OnlineCPUMemResponse(online_cpus=cpus, memory_total_bytes=memory)
+            await asyncio.sleep(0.05)
+
+    async def GetOOMEvent(self, req: pb.GetOOMEventRequest, ctx: Context) -> pb.OOMEvent:
+        return pb.OOMEvent(container_id=await self._oom.get())
+
+    async def watch_oom(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for container_id in list(self.containers):
+                kills = resources.oom_kills(container_id)
+                if kills > self._oom_counts.get(container_id, 0):
+                    self._oom.put_nowait(container_id)
+                self._oom_counts[container_id] = kills
+
+    async def Shutdown(self, req: pb.ShutdownRequest, ctx: Context) -> Empty:
+        log.info("shutdown: stopping %d container(s)", len(self.containers))
+        for container_id in list(self.containers):
+            try:
+                await runc.runc(container_id, "kill", "--all", container_id, "9")
+            except TtrpcError:
+                pass
+        os.sync()
+        asyncio.get_running_loop().call_later(0.05, _power_off)
+        return Empty()
+
+
+def _power_off() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.reboot(0x4321FEDC)  # LINUX_REBOOT_CMD_POWER_OFF

@@ -1,0 +1,284 @@
+"""Build the guest image: Debian's kernel as an uncompressed vmlinux (QEMU boots it
+through PVH) and an uncompressed initramfs with busybox, python3, runc, the few kernel
+modules a pod VM needs and the podvm agent. Everything comes from Debian packages and
+PyPI, by name and version, so the same inputs give the same image.
+
+usage: python3 guest/build.py [--out DIR] [--force]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import lzma
+import os
+import pathlib
+import py_compile
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cpio import CpioWriter  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "build" / "guest"
+
+KERNEL_META = "linux-image-amd64"
+PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
+            "libpython3.11-stdlib", "libc6", "zlib1g", "libexpat1", "libffi8", "libbz2-1.0",
+            "liblzma5", "libuuid1", "libcrypt1", "runc", "libseccomp2"]
+MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p", "overlay"]
+# Not needed by a pod VM's agent, and large.
+PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
+         "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",
+         "usr/lib/x86_64-linux-gnu/gconv", "usr/share/python3", "usr/bin/pydoc3.11",
+         "usr/lib/python3.11/test", "usr/lib/python3.11/idlelib", "usr/lib/python3.11/tkinter",
+         "usr/lib/python3.11/ensurepip", "usr/lib/python3.11/lib2to3",
+         "usr/lib/python3.11/pydoc_data", "usr/lib/python3.11/distutils",
+         "usr/lib/python3.11/turtledemo", "usr/lib/python3.11/unittest",
+         "usr/lib/python3.11/config-3.11-x86_64-linux-gnu", "usr/lib/python3.11/sqlite3",
+         "usr/lib/python3.11/dbm", "usr/lib/python3.11/curses", "usr/lib/python3.11/venv",
+         "usr/lib/python3.11/wsgiref", "usr/lib/python3.11/xmlrpc", "usr/lib/python3.11/http",
+         "usr/lib/python3.11/email/architecture.rst", "usr/lib/python3.11/pydoc.py",
+         "usr/lib/python3.11/email", "usr/lib/python3.11/html", "usr/lib/python3.11/xml",
+         "usr/lib/python3.11/multiprocessing", "usr/lib/python3.11/urllib",
+         "usr/lib/python3.11/lib-dynload/_codecs_*", "usr/lib/python3.11/lib-dynload/_test*",
+         "usr/lib/python3.11/lib-dynload/_ssl*", "usr/lib/python3.11/lib-dynload/_hashlib*",
+         "usr/lib/python3.11/lib-dynload/_decimal*", "usr/lib/python3.11/lib-dynload/_sqlite3*",
+         "usr/lib/python3.11/lib-dynload/_curses*", "usr/lib/python3.11/lib-dynload/_dbm*",
+         "usr/lib/python3.11/lib-dynload/readline*", "usr/lib/python3.11/lib-dynload/nis*",
+         "usr/lib/python3.11/lib-dynload/ossaudiodev*", "usr/lib/python3.11/lib-dynload/xx*",
+         "usr/lib/python3.11/lib-dynload/_xx*", "usr/lib/python3.11/lib-dynload/audioop*",
+         "usr/lib/python3.11/lib-dynload/_ctypes_test*", "usr/lib/python3.11/lib-dynload/_lsprof*",
+         "sbin/ldconfig", "usr/bin/ldd", "usr/bin/localedef", "usr/bin/iconv",
+         "usr/bin/getconf", "usr/bin/locale", "usr/bin/zdump", "usr/bin/pdb3.11"]
+# Python's start-up needs these codecs; the rest of encodings/ is dead weight here.
+KEEP_ENCODINGS = {"__init__", "aliases", "utf_8", "utf_8_sig", "latin_1", "ascii", "idna",
+                  "raw_unicode_escape", "unicode_escape", "utf_16", "utf_32", "punycode"}
+AGENT_DIR = "/opt/podvm"
+INIT = pathlib.Path(__file__).resolve().parent / "init"
+AGENT_SOURCES = [("guest/agent", "podvm_agent"), ("shim/__init__.py", "shim/__init__.py"),
+                 ("shim/ttrpc", "shim/ttrpc"), ("shim/pb", "shim/pb")]
+
+
+def run(*cmd: str, cwd: str | None = None) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=cwd).stdout
+
+
+def kernel_package() -> str:
+    """The versioned image package the metapackage points to."""
+    for line in run("apt-cache", "depends", KERNEL_META).splitlines():
+        line = line.strip()
+        if line.startswith("Depends: linux-image-"):
+            return line.split(": ", 1)[1]
+    raise SystemExit(f"cannot resolve {KERNEL_META}: run apt-get update")
+
+
+def versions(packages: list[str]) -> dict[str, str]:
+    out = run("apt-cache", "policy", *packages)
+    found, current = {}, None
+    for line in out.splitlines():
+        if not line.startswith(" "):
+            current = line.rstrip(":")
+        elif line.strip().startswith("Candidate:") and current:
+            found[current] = line.split(":", 1)[1].strip()
+    return found
+
+
+def protobuf_version() -> str:
+    import google.protobuf
+    return google.protobuf.__version__
+
+
+def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
+    pinned = versions([kernel_pkg, *PACKAGES])
+    sources = hashlib.sha256()
+    for path in sorted([INIT, pathlib.Path(__file__), *(ROOT / "guest").rglob("*.py")]):
+        sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    for _, (src, _) in enumerate(AGENT_SOURCES):
+        for path in sorted((ROOT / src).rglob("*.py")) if (ROOT / src).is_dir() else [ROOT / src]:
+            sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    manifest = {"packages": pinned, "protobuf": protobuf_version(), "modules": MODULES,
+                "sources": sources.hexdigest()}
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), manifest
+
+
+def download(packages: list[str], into: pathlib.Path) -> list[pathlib.Path]:
+    into.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["apt-get", "download", "-q", *packages], check=True, cwd=into,
+                   capture_output=True)
+    return sorted(into.glob("*.deb"))
+
+
+def extract_vmlinux(vmlinuz: bytes) -> bytes:
+    """The ELF kernel inside a bzImage whose payload is xz."""
+    start = vmlinuz.find(b"\xfd7zXZ\x00")
+    if start < 0:
+        raise SystemExit("vmlinuz has no xz payload")
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    elf = decompressor.decompress(vmlinuz[start:])
+    if not elf.startswith(b"\x7fELF"):
+        raise SystemExit("the xz payload of vmlinuz is not an ELF kernel")
+    return elf
+
+
+def module_paths(modroot: pathlib.Path, names: list[str]) -> list[pathlib.Path]:
+    """The modules and what they depend on, dependencies first (read from .modinfo)."""
+    index = {p.name.removesuffix(".ko").replace("-", "_"): p for p in modroot.rglob("*.ko")}
+    builtin = {line.rsplit("/", 1)[-1].removesuffix(".ko").replace("-", "_")
+               for line in (modroot / "modules.builtin").read_text().split()}
+    ordered: list[pathlib.Path] = []
+
+    def visit(name: str) -> None:
+        name = name.replace("-", "_")
+        if name in builtin or any(p.name.removesuffix(".ko").replace("-", "_") == name
+                                  for p in ordered):
+            return
+        path = index.get(name)
+        if path is None:
+            raise SystemExit(f"kernel module {name} is neither built in nor shipped")
+        data = path.read_bytes()
+        at = data.find(b"depends=")
+        deps = data[at + 8:data.index(b"\0", at)].decode() if at >= 0 else ""
+        for dep in filter(None, deps.split(",")):
+            visit(dep)
+        ordered.append(path)
+
+    for name in names:
+        visit(name)
+    return ordered
+
+
+def stage_root(debs: list[pathlib.Path], staging: pathlib.Path) -> None:
+    for deb in debs:
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
+    for pattern in PRUNE:
+        for target in staging.glob(pattern):
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+    for codec in (staging / "usr/lib/python3.11/encodings").glob("*.py"):
+        if codec.stem not in KEEP_ENCODINGS:
+            codec.unlink()
+    for cache in staging.rglob("__pycache__"):
+        shutil.rmtree(cache)
+
+
+def add_protobuf(staging: pathlib.Path, downloads: pathlib.Path) -> None:
+    wheel_dir = downloads / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "--python-version", "3.11", "--platform",
+                    "manylinux2014_x86_64", "-d", str(wheel_dir),
+                    f"protobuf=={protobuf_version()}"], check=True)
+    wheel = next(wheel_dir.glob("protobuf-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(staging / AGENT_DIR.strip("/"))
+
+
+def add_agent(staging: pathlib.Path) -> None:
+    base = staging / AGENT_DIR.strip("/")
+    for src, dst in AGENT_SOURCES:
+        source, target = ROOT / src, base / dst
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyi"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def compile_python(staging: pathlib.Path) -> None:
+    """Sourceless bytecode made here: under TCG, compiling at each boot costs seconds, and
+    shipping only the .pyc halves the image (tracebacks still name the file and line)."""
+    for tree, prefix in ((staging / "usr/lib/python3.11", "/usr/lib/python3.11"),
+                         (staging / AGENT_DIR.strip("/"), AGENT_DIR)):
+        for path in tree.rglob("*.py"):
+            rel = path.relative_to(tree)
+            try:
+                py_compile.compile(str(path), cfile=str(path.with_suffix(".pyc")),
+                                   dfile=f"{prefix}/{rel}", doraise=True,
+                                   invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+            except py_compile.PyCompileError:
+                continue  # a few stdlib files are templates, not Python
+            path.unlink()
+
+
+def write_initrd(staging: pathlib.Path, modules: list[pathlib.Path], out: pathlib.Path) -> None:
+    buf = io.BytesIO()
+    cpio = CpioWriter(buf)
+    for d in ("dev", "proc", "sys", "tmp", "run", "root", "etc", "mnt", "var/run"):
+        cpio.directory(d)
+    cpio.tree(str(staging), "")
+    applets = run(str(staging / "bin" / "busybox"), "--list").split()
+    for applet in applets:
+        for where in ("bin", "usr/bin", "sbin", "usr/sbin"):
+            if (staging / where / applet).exists():
+                break
+        else:
+            cpio.symlink(f"bin/{applet}", "busybox")
+    cpio.symlink("usr/bin/python3", "python3.11")
+    for mod in modules:
+        cpio.file(f"lib/podvm-modules/{mod.name}", mod.read_bytes())
+    cpio.file("lib/podvm-modules/order",
+              "".join(f"{m.name}\n" for m in modules).encode())
+    cpio.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+    cpio.file("etc/group", b"root:x:0:\n")
+    cpio.file("init", INIT.read_bytes(), 0o755)
+    cpio.close()
+    out.write_bytes(buf.getvalue())
+
+
+def build(out: pathlib.Path, force: bool = False) -> None:
+    kernel_pkg = kernel_package()
+    digest, manifest = inputs_digest(kernel_pkg)
+    stamp = out / "inputs.sha256"
+    if not force and stamp.exists() and stamp.read_text().strip() == digest and \
+            (out / "vmlinux").exists() and (out / "initrd.img").exists():
+        print(f"guest image in {out} is up to date ({digest[:12]})")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="podvm-guest-") as tmp:
+        work = pathlib.Path(tmp)
+        kernel_deb = download([kernel_pkg], work / "kernel")[0]
+        kroot = work / "kroot"
+        subprocess.run(["dpkg-deb", "-x", str(kernel_deb), str(kroot)], check=True)
+        vmlinuz = next((kroot / "boot").glob("vmlinuz-*"))
+        release = vmlinuz.name.removeprefix("vmlinuz-")
+        modules = module_paths(kroot / "lib/modules" / release, MODULES)
+        staging = work / "root"
+        stage_root(download(PACKAGES, work / "debs"), staging)
+        add_protobuf(staging, work)
+        add_agent(staging)
+        compile_python(staging)
+        (staging / "etc").mkdir(exist_ok=True)
+        (staging / "etc/podvm-release").write_text(release + "\n")
+        (out / "vmlinux.tmp").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
+        write_initrd(staging, modules, out / "initrd.img.tmp")
+    (out / "vmlinux.tmp").replace(out / "vmlinux")
+    (out / "initrd.img.tmp").replace(out / "initrd.img")
+    (out / "manifest.json").write_text(json.dumps(dict(manifest, kernel_release=release),
+                                                  indent=2, sort_keys=True) + "\n")
+    stamp.write_text(digest + "\n")
+    mib = 1 << 20
+    print(f"guest image in {out}: kernel {release} vmlinux "
+          f"{(out / 'vmlinux').stat().st_size / mib:.1f} MiB, initrd.img "
+          f"{(out / 'initrd.img').stat().st_size / mib:.1f} MiB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                        help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    args = parser.parse_args()
+    build(args.out.resolve(), args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

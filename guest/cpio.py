@@ -1,0 +1,73 @@
+"""An uncompressed newc cpio archive, the format the kernel unpacks as initramfs.
+
+Uncompressed boots faster than gzip under TCG (design.md, "Guest"); entries get fixed
+owners and times so the image depends on its inputs only."""
+from __future__ import annotations
+
+import os
+import stat
+from typing import BinaryIO
+
+TRAILER = "TRAILER!!!"
+
+
+class CpioWriter:
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._ino = 1
+        self._seen: set[str] = set()
+
+    def _entry(self, name: str, mode: int, data: bytes = b"", nlink: int = 1) -> None:
+        name_bytes = name.encode() + b"\0"
+        header = "070701" + "".join(f"{v:08X}" for v in (
+            self._ino, mode, 0, 0, nlink, 0, len(data), 0, 0, 0, 0, len(name_bytes), 0))
+        self._ino += 1
+        self._out.write(header.encode() + name_bytes)
+        self._pad()
+        self._out.write(data)
+        self._pad()
+
+    def _pad(self) -> None:
+        self._out.write(b"\0" * (-self._out.tell() % 4))
+
+    def directory(self, name: str, mode: int = 0o755) -> None:
+        name = name.strip("/")
+        if not name or name in self._seen:
+            return
+        parent = os.path.dirname(name)
+        if parent:
+            self.directory(parent)
+        self._seen.add(name)
+        self._entry(name, stat.S_IFDIR | mode, nlink=2)
+
+    def file(self, name: str, data: bytes, mode: int = 0o644) -> None:
+        name = name.strip("/")
+        self.directory(os.path.dirname(name))
+        self._seen.add(name)
+        self._entry(name, stat.S_IFREG | mode, data)
+
+    def symlink(self, name: str, target: str) -> None:
+        name = name.strip("/")
+        self.directory(os.path.dirname(name))
+        self._seen.add(name)
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def tree(self, source: str, prefix: str) -> None:
+        """Everything under `source` at `prefix`, in a stable order."""
+        for root, dirs, files in os.walk(source):
+            dirs.sort()
+            rel = os.path.relpath(root, source)
+            base = prefix if rel == "." else f"{prefix}/{rel}"
+            self.directory(base, stat.S_IMODE(os.lstat(root).st_mode))
+            for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
+                path = os.path.join(root, name)
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):
+                    self.symlink(f"{base}/{name}", os.readlink(path))
+                elif stat.S_ISREG(st.st_mode):
+                    with open(path, "rb") as f:
+                        self.file(f"{base}/{name}", f.read(), stat.S_IMODE(st.st_mode))
+
+    def close(self) -> None:
+        self._entry(TRAILER, 0)
+        self._out.write(b"\0" * (-self._out.tell() % 512))
