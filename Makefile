@@ -6,15 +6,17 @@ VENV ?= .venv
 PREFIX ?= /opt/podvm
 BINDIR ?= /usr/local/bin
 CONFDIR ?= /etc/podvm
+GUESTDIR ?= /usr/share/podvm
+GUEST_BUILD := build/guest
 
 # Debian packages: the runtime's own needs, then what the tests add.
-RUNTIME_DEBS := containerd runc python3-venv
+RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86
 TEST_DEBS := $(RUNTIME_DEBS) busybox-static
 
 STAMP := $(VENV)/.podvm-installed
 SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)
 
-.PHONY: help deps test-deps venv gen install uninstall test bench demo clean
+.PHONY: help deps test-deps venv gen guest install uninstall test bench demo clean
 
 help:
 	@echo "make demo       run the demo on a private containerd (installs what it needs)"
@@ -23,6 +25,7 @@ help:
 	@echo "make uninstall  remove what make install put in place (keeps $(CONFDIR))"
 	@echo "make bench      print the benchmarks' figures"
 	@echo "make gen        regenerate the protobuf modules (shim/pb)"
+	@echo "make guest      build the guest image (kernel + initramfs) into $(GUEST_BUILD)"
 
 deps:
 	@$(call apt_install,$(RUNTIME_DEBS))
@@ -53,12 +56,19 @@ $(STAMP): $(SOURCES) | test-deps
 gen: $(STAMP)
 	$(VENV)/bin/python protos/generate.py
 
+# Cached: rebuilt only when its inputs (package versions, agent sources) change.
+guest: $(STAMP)
+	$(VENV)/bin/python guest/build.py --out $(GUEST_BUILD)
+
 install: deps
 	@[ -x $(PREFIX)/venv/bin/python ] || $(PYTHON) -m venv $(PREFIX)/venv
 	$(PREFIX)/venv/bin/pip install -q --upgrade pip
 	$(PREFIX)/venv/bin/pip install -q .
 	ln -sf $(PREFIX)/venv/bin/containerd-shim-podvm-v2 $(BINDIR)/containerd-shim-podvm-v2
 	ln -sf $(PREFIX)/venv/bin/podvmctl $(BINDIR)/podvmctl
+	$(PREFIX)/venv/bin/python guest/build.py --out $(GUEST_BUILD)
+	install -d $(GUESTDIR)
+	install -m 0644 $(GUEST_BUILD)/vmlinux $(GUEST_BUILD)/initrd.img $(GUESTDIR)/
 	@mkdir -p $(CONFDIR)
 	@if [ -e $(CONFDIR)/configuration.toml ]; then \
 		echo "keeping existing $(CONFDIR)/configuration.toml"; \
@@ -68,15 +78,15 @@ install: deps
 
 uninstall:
 	rm -f $(BINDIR)/containerd-shim-podvm-v2 $(BINDIR)/podvmctl
-	rm -rf $(PREFIX)
+	rm -rf $(PREFIX) $(GUESTDIR)
 
-test: $(STAMP)
+test: guest
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/ttrpc_bench.py
 
-demo: $(STAMP)
+demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
 
 clean:

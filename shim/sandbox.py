@@ -66,11 +66,16 @@ class Sandbox:
             self._persist()
             self.agent = await Agent.connect(self.vm.agent_socket, self.id)
             info = await self.agent.ping(timeout=q.boot_timeout)
-        except BaseException:
+        except BaseException as exc:
+            log.error("sandbox %s: boot failed (%s); guest console: %s", self.id, exc,
+                      self.console_tail())
             await self.shutdown()
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
+
+    def console_tail(self) -> str:
+        return self.vm.console_tail() if self.vm else "(no VM)"
 
     def share(self, container_id: str, bundle: str, rootfs: list[Mount],
               binds: tuple[guestspec.HostBind, ...]) -> None:

@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def make_install(tmp: pathlib.Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["make", "-C", str(ROOT), "install", f"PREFIX={tmp}/opt", f"BINDIR={tmp}/bin",
-         f"CONFDIR={tmp}/etc"], capture_output=True, text=True, timeout=600)
+         f"CONFDIR={tmp}/etc", f"GUESTDIR={tmp}/guest"], capture_output=True, text=True,
+        timeout=600)
 
 
 def test_install_twice_and_run(tmp_path: pathlib.Path) -> None:
@@ -23,6 +24,8 @@ def test_install_twice_and_run(tmp_path: pathlib.Path) -> None:
     shim = tmp_path / "bin" / "containerd-shim-podvm-v2"
     version = subprocess.run([str(shim), "-v"], capture_output=True, text=True)
     assert version.returncode == 0 and "Version:" in version.stdout
+    for name in ("vmlinux", "initrd.img"):
+        assert (tmp_path / "guest" / name).stat().st_size > 1 << 20
     conf = tmp_path / "etc" / "configuration.toml"
     assert conf.read_text() == (ROOT / "packaging" / "configuration.toml").read_text()
     conf.write_text("[hypervisor.qemu]\naccel = \"tcg\"\n")  # the admin's own edit

@@ -73,5 +73,9 @@ class VM(abc.ABC):
         """Ask the VMM to quit, kill it after `timeout`; a no-op when it is gone."""
 
     @abc.abstractmethod
+    def console_tail(self, size: int = 2000) -> str:
+        """The end of the guest's console, for error messages and logs."""
+
+    @abc.abstractmethod
     async def wait(self) -> int:
         """Block until the VMM process exits; its exit status."""

@@ -161,6 +161,9 @@ class QemuVM(VM):
         tail = _tail(self.console_log)
         return msg + (f"; guest console ends with: {tail}" if tail else "")
 
+    def console_tail(self, size: int = 2000) -> str:
+        return _tail(self.console_log, size) or "(nothing)"
+
     def _qemu_log_tail(self) -> str:
         return _tail(os.path.join(self.spec.workdir, "qemu.log")) or "(no output)"
 

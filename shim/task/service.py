@@ -161,8 +161,8 @@ class TaskService:
         status = await sandbox.vm.wait()
         if self.sandbox is not sandbox:
             return  # stopped on purpose
-        log.error("sandbox %s: QEMU exited with status %d while the pod was running",
-                  sandbox.id, status)
+        log.error("sandbox %s: QEMU exited with status %d while the pod was running; guest "
+                  "console: %s", sandbox.id, status, sandbox.console_tail())
         now = time.time_ns()
         for container in list(self.containers.values()):
             for proc in (container.init, *container.execs.values()):

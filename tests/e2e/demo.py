@@ -1,46 +1,86 @@
-"""`make demo`: podvm on a private containerd, end to end as far as podvm goes today.
+"""`make demo`: a pod of two containers in its own VM, on a private containerd.
 
 Starts a containerd of its own (own root, state and sockets; the system's containerd is
-not touched), registers podvm, imports a locally built busybox image, runs a container
-with `ctr run --runtime io.containerd.podvm.v2`, shows what containerd and the shim said,
-and removes everything it made.
+not touched) with podvm registered from packaging/containerd/config-v2.toml, imports a
+locally built busybox image, runs a pod with two containers through the CRI (our
+crictl-compatible client, or the real crictl when $CRICTL names one), shows their
+output, the VM's size and where its host threads run, then removes everything.
+
+The VM runs under TCG unless PODVM_DEMO_ACCEL=kvm: nested KVM hangs guests on the
+machines this project is built on.
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import tempfile
+import time
 
-from shim import paths
+from tests.vmconfig import write_test_config
 
-from .containerd import Containerd, mounts_under, podvm_shims
+from .containerd import Containerd, mounts_under, shims_of
+from .cri import Crictl, write_config
+from .test_crictl import container_config, pod_config
+from .test_podvm_pods import pod_qemus
+
+
+def say(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def threads_by_name(pid: int) -> dict[str, int]:
+    names: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        name = pathlib.Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        names[name] = names.get(name, 0) + 1
+    return names
 
 
 def main() -> int:
+    accel = os.environ.get("PODVM_DEMO_ACCEL", "tcg")
     with tempfile.TemporaryDirectory(prefix="podvm-demo-") as tmp:
-        workdir = pathlib.Path(tmp)
-        print(f"== private containerd in {workdir}")
-        with Containerd(workdir / "containerd", namespace="podvm-demo") as ctd:
-            image = ctd.import_busybox(workdir)
-            print(f"== image {image} imported (busybox-static, built locally)")
-            cmd = ["run", "--rm", "--runtime", "io.containerd.podvm.v2", image, "demo-1",
-                   "uname", "-a"]
-            print("== ctr " + " ".join(cmd))
-            result = ctd.ctr(*cmd, check=False)
-            sys.stdout.write(result.stdout.decode())
-            sys.stdout.write(result.stderr.decode())
-            print("== what the podvm shim logged (containerd's log, through the log FIFO):")
-            for line in ctd.log().splitlines():
-                if "runtime=io.containerd.podvm.v2" in line or "shim disconnected" in line:
-                    print("   " + line)
-            sock = paths.socket_path(paths.socket_address(ctd.address, ctd.namespace,
-                                                          "demo-1"))
-            left = [s for s in podvm_shims() if ctd.address in s]
-        left += [m for m in mounts_under(workdir)]
-        left += [sock] if pathlib.Path(sock).exists() else []
-        print("== left behind: " + (", ".join(left) if left else "nothing"))
-    print("podvm answers containerd over ttrpc today; running the container inside a VM "
-          "comes with the VM backend (QEMU driver and guest agent).")
+        work = pathlib.Path(tmp)
+        config = write_test_config(work / "podvm.toml", accel=accel)
+        say(f"private containerd in {work} (podvm configuration {config}, accel={accel})")
+        with Containerd(work / "containerd", namespace="podvm-demo", cri=True,
+                        podvm_config=config) as ctd:
+            ctd.import_cri_images(work)
+            crictl = Crictl(ctd.cri_endpoint, timeout="120s")
+            pod_file = write_config(work, "pod.json", pod_config(ctd, work, "demo"))
+            say(f"crictl runp --runtime podvm {pod_file}")
+            started = time.monotonic()
+            pod_id = crictl.runp(pod_file, runtime="podvm")
+            print(f"pod {pod_id[:13]} ready in {time.monotonic() - started:.1f}s")
+            ids = []
+            for name in ("web", "worker"):
+                cfile = write_config(work, f"{name}.json", container_config(
+                    name, f"echo {name}: hello from $(uname -sr) on $(hostname); sleep 600"))
+                cid = crictl.create(pod_id, cfile, pod_file)
+                crictl.start(cid)
+                ids.append((name, cid))
+            time.sleep(1)
+            for name, cid in ids:
+                say(f"crictl logs {name}")
+                print(crictl.logs(cid).stdout, end="")
+            web = ids[0][1]
+            say("the VM, seen from inside")
+            print("vCPUs:", crictl.exec(web, "nproc").stdout.strip(), "| memory:",
+                  crictl.exec(web, "sh", "-c", "grep MemTotal /proc/meminfo").stdout.strip())
+            print(f"host kernel: {os.uname().release}")
+            say("its host threads (QEMU process, threads by name)")
+            for pid in pod_qemus(pod_id):
+                for name, count in sorted(threads_by_name(pid).items()):
+                    print(f"  {count:3d} x {name}")
+            exec_result = crictl.exec(web, "sh", "-c", "exit 3")
+            say(f"crictl exec web sh -c 'exit 3' -> exit code {exec_result.exit_code}")
+            say("crictl stopp + rmp")
+            crictl.run("stopp", pod_id)
+            crictl.run("rmp", pod_id)
+            left = [f"shim {c}" for _, c in shims_of(ctd.address)]
+        left += [f"qemu {p}" for p in pod_qemus(pod_id)]
+        left += [f"mount {m}" for m in mounts_under(work)]
+        say("left behind: " + (", ".join(left) if left else "nothing"))
     return 1 if left else 0
 
 

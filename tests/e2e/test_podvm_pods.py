@@ -1,0 +1,213 @@
+"""Pods in VMs through containerd's CRI: podvm as a user of crictl sees it.
+
+Real containerd (Debian's 1.6), real QEMU under TCG, the real guest image. Every test
+runs with the real crictl too: CRICTL=/path/to/crictl.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from shim import paths
+from tests.conftest import require_root, require_tool
+from tests.vmconfig import GUEST, guest_image, write_test_config
+
+from .containerd import CRI_NAMESPACE, Containerd, mounts_under, shims_of
+from .cri import Crictl, write_config
+from .test_crictl import container_config, pod_config, wait_for
+
+def guest_kernel() -> str:
+    return json.loads((GUEST / "manifest.json").read_text())["kernel_release"]
+
+
+def qemus() -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" in cmdline and b"podvm-" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def pod_qemus(pod_id: str) -> list[int]:
+    return [pid for pid in qemus() if pod_id.encode() in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def podvm_leftovers(ctd: Containerd, pod_id: str) -> list[str]:
+    found = [f"shim {cmd}" for _, cmd in shims_of(ctd.address) if pod_id in cmd]
+    found += [f"qemu {pid}" for pid in pod_qemus(pod_id)]
+    found += [f"mount {m}" for m in mounts_under(ctd.workdir) if pod_id in m]
+    found += [f"mount {m}" for m in mounts_under(pathlib.Path(paths.STATE_ROOT))
+              if pod_id in m]
+    state = paths.state_dir(CRI_NAMESPACE, pod_id)
+    if os.path.exists(state):
+        found.append(f"state {state}")
+    sock = paths.socket_path(paths.socket_address(ctd.address, CRI_NAMESPACE, pod_id))
+    if os.path.exists(sock):
+        found.append(f"socket {sock}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    require_root()
+    for tool in ("containerd", "ctr"):
+        require_tool(tool, "containerd")
+    guest_image()
+    workdir = tmp_path_factory.mktemp("podvm-cri")
+    config = write_test_config(workdir / "podvm.toml")
+    c = Containerd(workdir / "containerd", namespace="podvm-vm-test", cri=True,
+                   podvm_config=config)
+    c.start()
+    try:
+        c.import_cri_images(image_cache)
+        yield c
+    finally:
+        c.stop()
+    assert c.forced == [], f"stop() had to force: {c.forced}"
+    assert shims_of(c.address) == [] and qemus() == []
+    assert mounts_under(c.workdir) == []
+
+
+@pytest.fixture(scope="module")
+def crictl(ctd) -> Crictl:
+    return Crictl(ctd.cri_endpoint, timeout="120s")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("podvm-configs")
+
+
+def runp(crictl: Crictl, ctd, configs, name: str) -> tuple[str, pathlib.Path]:
+    pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name))
+    return crictl.runp(pod_file, runtime="podvm"), pod_file
+
+
+def start_container(crictl, configs, pod_id, pod_file, name, script) -> str:
+    cfile = write_config(configs, f"{name}-c.json", container_config(name, script))
+    cid = crictl.create(pod_id, cfile, pod_file)
+    crictl.start(cid)
+    return cid
+
+
+def remove_pod(crictl: Crictl, pod_id: str) -> None:
+    crictl.run("stopp", pod_id, check=False)
+    crictl.run("rmp", pod_id, check=False)
+
+
+@pytest.fixture(scope="module")
+def pod(ctd, crictl, configs):
+    started = time.monotonic()
+    pod_id, pod_file = runp(crictl, ctd, configs, "vm-two")
+    ready = time.monotonic() - started
+    try:
+        ids = {name: start_container(crictl, configs, pod_id, pod_file, name,
+                                     f"echo hello-from-{name} on $(uname -r); sleep 1000")
+               for name in ("a", "b")}
+        yield {"id": pod_id, "file": pod_file, "ready_s": ready, **ids}
+    finally:
+        remove_pod(crictl, pod_id)
+
+
+def test_two_containers_log_from_the_guest_kernel(crictl, pod) -> None:
+    kernel = guest_kernel()
+    assert kernel != os.uname().release
+    for name in ("a", "b"):
+        wait_for(f"{name}'s log", lambda: crictl.logs(pod[name]).stdout
+                 == f"hello-from-{name} on {kernel}\n", timeout=60)
+    print(f"runp to ready: {pod['ready_s']:.2f}s")
+
+
+def test_pod_is_one_vm(crictl, pod) -> None:
+    assert len(pod_qemus(pod["id"])) == 1
+    assert crictl.inspectp(pod["id"])["status"]["state"] == "SANDBOX_READY"
+    for name in ("a", "b"):
+        assert crictl.inspect(pod[name])["status"]["state"] == "CONTAINER_RUNNING"
+
+
+def test_exec_output_and_exit_code(crictl, pod) -> None:
+    ok = crictl.exec(pod["a"], "echo", "hi")
+    assert (ok.exit_code, ok.stdout) == (0, "hi\n")
+    failed = crictl.exec(pod["b"], "sh", "-c", "echo err >&2; exit 3")
+    assert failed.exit_code == 3 and "err" in failed.stderr
+    uname = crictl.exec(pod["a"], "uname", "-r")
+    assert uname.stdout.strip() == guest_kernel()
+
+
+def test_stats_come_from_the_guest(crictl, pod) -> None:
+    stats = crictl.run("stats", "-o", "json").json()["stats"]
+    by_id = {s["attributes"]["id"]: s for s in stats}
+    assert int(by_id[pod["a"]]["memory"]["workingSetBytes"]["value"]) > 0
+
+
+def test_exit_code_7_and_stop_gives_137(ctd, crictl, configs, pod) -> None:
+    seven = start_container(crictl, configs, pod["id"], pod["file"], "seven", "exit 7")
+    status = wait_for("exit", lambda: (s := crictl.inspect(seven)["status"])["state"]
+                      == "CONTAINER_EXITED" and s, timeout=60)
+    assert status["exitCode"] == 7
+    sleeper = start_container(crictl, configs, pod["id"], pod["file"], "sleeper", "sleep 1000")
+    crictl.run("stop", "-t", "0", sleeper)
+    status = crictl.inspect(sleeper)["status"]
+    assert (status["state"], status["exitCode"]) == ("CONTAINER_EXITED", 137)
+    exec_in_stopped = crictl.exec(sleeper, "true")
+    assert exec_in_stopped.exit_code != 0
+    for cid in (seven, sleeper):
+        crictl.run("rm", cid)
+        assert cid not in crictl.ps("-a")
+        assert not (pathlib.Path(paths.state_dir(CRI_NAMESPACE, pod["id"])) / "shared"
+                    / cid).exists()
+
+
+def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
+    pod_id, pod_file = runp(crictl, ctd, configs, "vm-gone")
+    start_container(crictl, configs, pod_id, pod_file, "gone", "sleep 1000")
+    assert podvm_leftovers(ctd, pod_id) != []  # it is all there while the pod runs
+    remove_pod(crictl, pod_id)
+    assert pod_id not in crictl.pods()
+    wait_for("the pod's shim to exit", lambda: podvm_leftovers(ctd, pod_id) == [], timeout=15)
+
+
+def test_a_guest_that_dies(ctd, crictl, configs) -> None:
+    pod_id, pod_file = runp(crictl, ctd, configs, "vm-dies")
+    cid = start_container(crictl, configs, pod_id, pod_file, "victim", "sleep 1000")
+    [vm] = pod_qemus(pod_id)
+    os.kill(vm, signal.SIGKILL)
+    status = wait_for("the container to be reported exited",
+                      lambda: (s := crictl.inspect(cid)["status"])["state"]
+                      == "CONTAINER_EXITED" and s, timeout=30)
+    assert status["exitCode"] == 255
+    refused = crictl.exec(cid, "true")
+    assert refused.exit_code != 0
+    remove_pod(crictl, pod_id)
+    wait_for("the dead pod to be cleaned up", lambda: podvm_leftovers(ctd, pod_id) == [],
+             timeout=15)
+
+
+def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
+    before = (len(qemus()), len(shims_of(ctd.address)), len(mounts_under(ctd.workdir)),
+              sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
+              if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
+    for i in range(20):
+        pod_id, _ = runp(crictl, ctd, configs, f"vm-row-{i}")
+        remove_pod(crictl, pod_id)
+    wait_for("every shim to exit", lambda: (
+        len(qemus()), len(shims_of(ctd.address)), len(mounts_under(ctd.workdir)),
+        sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
+        if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else []) == before,
+        timeout=30)
