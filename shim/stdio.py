@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 from .agent import Agent
 from .ttrpc import TtrpcError
@@ -50,10 +51,22 @@ class FifoReader:
 
     @classmethod
     async def open(cls, path: str) -> "FifoReader":
-        # The one blocking call: a FIFO's read end opens once its writer exists, and a
-        # non-blocking open would see end-of-file before containerd opened its end.
-        fd = await asyncio.get_running_loop().run_in_executor(
-            None, os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+        """The one blocking call: a FIFO's read end opens once its writer exists (a
+        non-blocking open would see end-of-file before containerd opened its end). It
+        waits in a daemon thread, which never holds up the shim's exit."""
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future[int] = loop.create_future()
+
+        def blocking_open() -> None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                loop.call_soon_threadsafe(_settle, opened, None, exc)
+                return
+            loop.call_soon_threadsafe(_settle, opened, fd, None)
+
+        threading.Thread(target=blocking_open, name="stdin-open", daemon=True).start()
+        fd = await opened
         os.set_blocking(fd, False)
         return cls(fd)
 
@@ -156,3 +169,13 @@ def _release_blocked_open(path: str) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
     except OSError:
         pass  # no open is waiting (ENXIO) or the FIFO is gone
+
+
+def _settle(future: asyncio.Future, fd: int | None, exc: BaseException | None) -> None:
+    if future.cancelled():
+        if fd is not None:
+            os.close(fd)  # opened after the process was gone: nobody reads it
+    elif exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(fd)

@@ -1,11 +1,22 @@
-"""containerd starts and drives our shim through `ctr run --runtime io.containerd.podvm.v2`."""
+"""containerd runs a container in a VM through `ctr run --runtime io.containerd.podvm.v2`."""
 from __future__ import annotations
 
+import json
 import os
 
+import pytest
+
 from shim import paths
+from tests.vmconfig import GUEST, write_test_config
 
 from .containerd import mounts_under, podvm_shims
+from .test_crictl import wait_for
+from .test_podvm_pods import pod_qemus
+
+
+@pytest.fixture(scope="module")
+def tcg_config(tmp_path_factory):
+    return write_test_config(tmp_path_factory.mktemp("ctr-run") / "podvm.toml")
 
 
 def leftovers(containerd, container_id: str) -> list[str]:
@@ -13,6 +24,7 @@ def leftovers(containerd, container_id: str) -> list[str]:
     shims = [s for s in podvm_shims() if containerd.address in s]
     if shims:
         found.append(f"shim processes: {shims}")
+    found += [f"qemu {pid}" for pid in pod_qemus(container_id)]
     sock = paths.socket_path(paths.socket_address(containerd.address, containerd.namespace,
                                                   container_id))
     if os.path.exists(sock):
@@ -23,29 +35,30 @@ def leftovers(containerd, container_id: str) -> list[str]:
         container_id
     if bundle.exists():
         found.append(f"bundle {bundle}")
-    found += [f"mount {m}" for m in mounts_under(containerd.workdir)
-              if container_id in m]
+    found += [f"mount {m}" for m in mounts_under(containerd.workdir) if container_id in m]
     return found
 
 
-def test_ctr_run_reaches_the_shim_and_cleans_up(containerd, image_cache) -> None:
+def test_ctr_run_in_a_vm(containerd, image_cache, tcg_config) -> None:
     image = containerd.import_busybox(image_cache)
-    result = containerd.ctr("run", "--rm", "--runtime", "io.containerd.podvm.v2", image,
-                            "ctr-run-1", "true", check=False)
-    stderr = result.stderr.decode()
-    # containerd started the shim, read its address, called Create and relayed our answer.
-    assert result.returncode != 0
-    assert "kernel /usr/share/podvm/vmlinux does not exist" in stderr, stderr
-    log = containerd.log()
-    assert "serving containerd.task.v2.Task" in log  # the daemon's own log, via the FIFO
+    result = containerd.ctr("run", "--rm", "--runtime", "io.containerd.podvm.v2",
+                            "--runtime-config-path", str(tcg_config), image, "ctr-run-1",
+                            "sh", "-c", "echo hello from $(uname -r); exit 7", check=False)
+    kernel = json.loads((GUEST / "manifest.json").read_text())["kernel_release"]
+    assert result.stdout.decode() == f"hello from {kernel}\n", result.stderr
+    assert result.returncode == 7
+    assert "serving containerd.task.v2.Task" in containerd.log()  # the shim's log, via FIFO
     assert "ctr-run-1" not in containerd.ctr("containers", "ls", "-q").stdout.decode()
-    assert leftovers(containerd, "ctr-run-1") == []
+    wait_for("the shim to exit and clean up", lambda: leftovers(containerd, "ctr-run-1") == [])
 
 
-def test_repeated_runs_leave_nothing(containerd, image_cache) -> None:
+def test_ctr_run_with_a_missing_kernel_fails_clearly(containerd, image_cache, tmp_path) -> None:
     image = containerd.import_busybox(image_cache)
-    for i in range(3):
-        result = containerd.ctr("run", "--rm", "--runtime", "io.containerd.podvm.v2", image,
-                                f"again-{i}", "true", check=False)
-        assert b"does not exist" in result.stderr
-        assert leftovers(containerd, f"again-{i}") == []
+    bad = write_test_config(tmp_path / "bad.toml", kernel="/nonexistent/vmlinux")
+    result = containerd.ctr("run", "--rm", "--runtime", "io.containerd.podvm.v2",
+                            "--runtime-config-path", str(bad), image, "ctr-run-2", "true",
+                            check=False)
+    assert result.returncode != 0
+    assert "kernel /nonexistent/vmlinux does not exist" in result.stderr.decode()
+    assert str(bad) in result.stderr.decode()
+    wait_for("the shim to exit and clean up", lambda: leftovers(containerd, "ctr-run-2") == [])
