@@ -83,8 +83,9 @@ uninstall:
 test: guest
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py
+	$(VENV)/bin/python bench/pod_bench.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
