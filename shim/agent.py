@@ -8,6 +8,7 @@ from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import Message
 
 from .pb.agent import agent_pb2 as pb
+from .stdio import Stdio
 from .ttrpc import Client, Code, ConnectionClosed, TtrpcError
 
 SERVICE = "podvm.agent.v1.Agent"
@@ -37,14 +38,21 @@ class Agent:
     async def ping(self, timeout: float | None = None) -> pb.PingResponse:
         return await self._call("Ping", pb.PingRequest(), pb.PingResponse, timeout)
 
-    async def create_container(self, req: pb.CreateContainerRequest) -> int:
+    async def create_container(self, container_id: str, spec_json: bytes, stdio: Stdio,
+                               sandbox: bool) -> int:
+        req = pb.CreateContainerRequest(container_id=container_id, spec_json=spec_json,
+                                        stdio=stdio.message(), sandbox=sandbox,
+                                        sandbox_id=self._sandbox_id)
         return (await self._call("CreateContainer", req, pb.CreateContainerResponse)).pid
 
     async def start_container(self, container_id: str) -> int:
         return (await self._call("StartContainer", pb.StartContainerRequest(
             container_id=container_id), pb.StartContainerResponse)).pid
 
-    async def exec_process(self, req: pb.ExecProcessRequest) -> int:
+    async def exec_process(self, container_id: str, exec_id: str, process_json: bytes,
+                           stdio: Stdio) -> int:
+        req = pb.ExecProcessRequest(container_id=container_id, exec_id=exec_id,
+                                    process_json=process_json, stdio=stdio.message())
         return (await self._call("ExecProcess", req, pb.ExecProcessResponse)).pid
 
     async def signal(self, container_id: str, exec_id: str, signal: int, all_: bool) -> None:

@@ -2,7 +2,6 @@
 binds of a pod's files into the directory its VM shares with the guest."""
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 from dataclasses import dataclass
@@ -27,8 +26,20 @@ _libc = None
 def _c():
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
+        import ctypes  # kept out of the idle shim daemon, like everything VM-only
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                               ctypes.c_ulong, ctypes.c_char_p]
+        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _libc = libc
     return _libc
+
+
+def _errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ def bind(source: str, target: str, readonly: bool = False) -> None:
 def unmount(path: str) -> bool:
     """Detach whatever is mounted on `path`; False when nothing was (or no such path)."""
     if _c().umount2(os.fsencode(path), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
+        err = _errno()
         if err in (errno.EINVAL, errno.ENOENT):
             return False
         raise OSError(err, f"umount {path}: {os.strerror(err)}")
@@ -97,9 +108,9 @@ def unmount_all(path: str) -> int:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str) -> None:
-    if _c().mount(_b(source), os.fsencode(target), _b(fstype), ctypes.c_ulong(flags),
+    if _c().mount(_b(source), os.fsencode(target), _b(fstype), flags,
                   _b(data or None)) != 0:
-        err = ctypes.get_errno()
+        err = _errno()
         raise OSError(err, f"mount {source or ''} on {target} ({fstype or 'bind'}, "
                            f"{data or 'no options'}): {os.strerror(err)}")
 

@@ -5,14 +5,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 
-from .agent import Agent
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from .ttrpc import TtrpcError
+
+if TYPE_CHECKING:
+    from .agent import Agent
+    from .pb.agent.agent_pb2 import Stdio as StdioMessage
 
 log = logging.getLogger("podvm.stdio")
 
 CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Stdio:
+    """Which streams containerd wired: the guest sends the rest to /dev/null."""
+
+    stdin: bool
+    stdout: bool
+    stderr: bool
+    terminal: bool
+
+    @classmethod
+    def of(cls, stdin: str, stdout: str, stderr: str, terminal: bool) -> "Stdio":
+        return cls(bool(stdin), bool(stdout), bool(stderr) and not terminal, terminal)
+
+    def message(self) -> "StdioMessage":
+        from .pb.agent.agent_pb2 import Stdio as StdioMessage
+
+        return StdioMessage(stdin=self.stdin, stdout=self.stdout, stderr=self.stderr,
+                            terminal=self.terminal)
 
 
 class FifoWriter:
@@ -64,6 +89,8 @@ class FifoReader:
                 loop.call_soon_threadsafe(_settle, opened, None, exc)
                 return
             loop.call_soon_threadsafe(_settle, opened, fd, None)
+
+        import threading  # the only thread a shim ever starts, and only for stdin
 
         threading.Thread(target=blocking_open, name="stdin-open", daemon=True).start()
         fd = await opened

@@ -54,7 +54,8 @@ class QemuVM(VM):
         memory = f"{s.memory_mib}M"
         if s.max_memory_mib > s.memory_mib:
             memory += f",slots=8,maxmem={s.max_memory_mib}M"
-        accel = "tcg,thread=multi" if q.accel == "tcg" else "kvm"
+        # TCG reserves 1 GiB for translated code by default; a pod VM needs far less.
+        accel = "tcg,thread=multi,tb-size=64" if q.accel == "tcg" else "kvm"
         cpu = "max" if q.accel == "tcg" else "host"
         return [
             q.path, "-name", f"podvm-{s.sandbox_id},debug-threads=on",

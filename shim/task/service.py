@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from google.protobuf.empty_pb2 import Empty
 
@@ -15,7 +15,6 @@ from .. import __version__, config, guestspec, paths
 from ..events import Publisher
 from ..hypervisor import HypervisorError, MissingFile
 from ..mounts import Mount
-from ..pb.agent import agent_pb2 as agentpb
 from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
@@ -23,10 +22,12 @@ from ..pb.containerd.types.task_pb2 import ProcessInfo
 from ..resources import NoFit, PlanError, SandboxPlan, plan_sandbox
 from ..resources import annotations as annotations_model
 from ..resources.model import from_linux_resources, request_from_config
-from ..sandbox import Sandbox, host as sandbox_host
-from ..stdio import ProcessIO
+from ..stdio import ProcessIO, Stdio
 from ..ttrpc import Code, Context, TtrpcError
 from .process import Container, Process, State
+
+if TYPE_CHECKING:
+    from ..sandbox import Sandbox
 
 log = logging.getLogger("podvm.task")
 
@@ -100,14 +101,11 @@ class TaskService:
         for what in guest.dropped:
             log.info("container %s: left out %s", req.id, what)
         rootfs = [Mount(m.type, m.source, tuple(m.options)) for m in req.rootfs]
-        stdio = agentpb.Stdio(stdin=bool(req.stdin), stdout=bool(req.stdout),
-                              stderr=bool(req.stderr) and not req.terminal,
-                              terminal=req.terminal)
+        stdio = Stdio.of(req.stdin, req.stdout, req.stderr, req.terminal)
         try:
             self.sandbox.share(req.id, req.bundle, rootfs, guest.binds)
-            await self._agent().create_container(agentpb.CreateContainerRequest(
-                container_id=req.id, spec_json=json.dumps(guest.spec).encode(), stdio=stdio,
-                sandbox=boots_vm, sandbox_id=self.sandbox.id))
+            await self._agent().create_container(req.id, json.dumps(guest.spec).encode(),
+                                                 stdio, sandbox=boots_vm)
         except BaseException as exc:
             await self._undo_create(req.id, boots_vm)
             if isinstance(exc, OSError):
@@ -130,6 +128,8 @@ class TaskService:
         return api.CreateTaskResponse(pid=init.pid)
 
     async def _boot(self, container_id: str, cfg: config.Config, spec: dict) -> None:
+        from ..sandbox import Sandbox  # the VM machinery loads with a pod's first Create
+
         sandbox = Sandbox(self.namespace, container_id, cfg, _plan(cfg, spec))
         for line in sandbox.plan.explanation:
             log.info("sandbox %s plan: %s", container_id, line)
@@ -207,11 +207,8 @@ class TaskService:
         proc.check("start")
         agent = self._agent()
         if req.exec_id:
-            await agent.exec_process(agentpb.ExecProcessRequest(
-                container_id=req.id, exec_id=req.exec_id, process_json=proc.process_json,
-                stdio=agentpb.Stdio(stdin=bool(proc.stdin), stdout=bool(proc.stdout),
-                                    stderr=bool(proc.stderr) and not proc.terminal,
-                                    terminal=proc.terminal)))
+            await agent.exec_process(req.id, req.exec_id, proc.process_json, Stdio.of(
+                proc.stdin, proc.stdout, proc.stderr, proc.terminal))
             proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
                                 proc.stderr, proc.terminal)
             proc.io.start()
@@ -425,7 +422,9 @@ def _plan(cfg: config.Config, spec: dict) -> SandboxPlan:
         req = annotations_model.apply_kata_overrides(
             request_from_config(cfg, pod), annotations, cfg.qemu.enable_annotations,
             cfg.source)
-        return plan_sandbox(req, sandbox_host())
+        from ..sandbox import host
+
+        return plan_sandbox(req, host())
     except NoFit as exc:
         raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
     except (PlanError, ValueError, TypeError) as exc:
