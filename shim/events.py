@@ -21,6 +21,7 @@ log = logging.getLogger("podvm.events")
 
 EVENTS_SERVICE = "containerd.services.events.ttrpc.v1.Events"
 _ATTEMPTS = 3
+PUBLISH_TIMEOUT = 5.0
 
 
 def pack(event: Message) -> Any:
@@ -44,9 +45,16 @@ class Publisher:
     def publish(self, topic: str, event: Message) -> None:
         self._queue.put_nowait((topic, pack(event), time.time_ns()))
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 10) -> None:
+        """Send what is queued, for at most `timeout` seconds; the rest is logged as lost."""
         self._queue.put_nowait(None)
-        await self._worker
+        try:
+            await asyncio.wait_for(asyncio.shield(self._worker), timeout)
+        except TimeoutError:
+            log.error("events not published within %ss of exit: %d lost", timeout,
+                      self._queue.qsize())
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
         if self._client is not None:
             await self._client.close()
 
@@ -98,7 +106,14 @@ class Publisher:
             "--topic", topic, "--namespace", self._namespace,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)
-        _, stderr = await proc.communicate(event.SerializeToString())
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(event.SerializeToString()),
+                                               PUBLISH_TIMEOUT)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise RuntimeError(f"{self._publish_binary} publish {topic} did not finish within "
+                               f"{PUBLISH_TIMEOUT}s") from None
         if proc.returncode != 0:
             raise RuntimeError(f"{self._publish_binary} publish {topic} exited "
                                f"{proc.returncode}: {stderr.decode(errors='replace').strip()}")
