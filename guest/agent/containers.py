@@ -127,6 +127,29 @@ class Stdio:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+async def _spawn(proc: Process, container_id: str, args: list[str], want: pb.Stdio,
+                 pid_file: str) -> None:
+    """Run `runc <args>` with the process's stdio (a console socket for a terminal), keep
+    the agent's ends on `proc`, and read the pid runc wrote."""
+    with Stdio(want) as stdio:
+        if want.terminal:
+            args = [*args[:-1], "--console-socket", stdio.console_path, args[-1]]
+        fds = stdio.fds()
+        ran = asyncio.create_task(runc.runc(container_id, *args, stdin=fds["stdin"],
+                                            stdout=fds["stdout"], stderr=fds["stderr"]))
+        if want.terminal:
+            pty = asyncio.create_task(stdio.receive_pty())
+            await asyncio.wait([ran, pty], return_when=asyncio.FIRST_EXCEPTION)
+            if ran.done() and ran.exception():
+                pty.cancel()
+                raise ran.exception()  # type: ignore[misc]
+            proc.pty = await pty
+        await ran
+        stdio.attach(proc)
+    with open(pid_file) as f:
+        proc.pid = int(f.read().strip())
+
+
 async def create(container_id: str, spec: dict, want: pb.Stdio, sandbox: bool) -> Container:
     bundle = runc.bundle_dir(container_id)
     os.makedirs(bundle, exist_ok=True)
@@ -134,27 +157,10 @@ async def create(container_id: str, spec: dict, want: pb.Stdio, sandbox: bool) -
         json.dump(spec, f)
     pid_file = os.path.join(bundle, "init.pid")
     proc = Process(container_id, "")
-    with Stdio(want) as stdio:
-        # --no-pivot: the guest root is the initramfs, which pivot_root cannot leave;
-        # the VM, not the mount namespace, is the isolation boundary here.
-        args = ["create", "--no-pivot", "--bundle", bundle, "--pid-file", pid_file]
-        if want.terminal:
-            args += ["--console-socket", stdio.console_path]
-        args.append(container_id)
-        fds = stdio.fds()
-        created = asyncio.create_task(runc.runc(container_id, *args, stdin=fds["stdin"],
-                                                stdout=fds["stdout"], stderr=fds["stderr"]))
-        if want.terminal:
-            pty = asyncio.create_task(stdio.receive_pty())
-            await asyncio.wait([created, pty], return_when=asyncio.FIRST_EXCEPTION)
-            if created.done() and created.exception():
-                pty.cancel()
-                raise created.exception()  # type: ignore[misc]
-            proc.pty = await pty
-        await created
-        stdio.attach(proc)
-    with open(pid_file) as f:
-        proc.pid = int(f.read().strip())
+    # --no-pivot: the guest root is the initramfs, which pivot_root cannot leave;
+    # the VM, not the mount namespace, is the isolation boundary here.
+    await _spawn(proc, container_id, ["create", "--no-pivot", "--bundle", bundle,
+                                      "--pid-file", pid_file, container_id], want, pid_file)
     proc.follow()
     return Container(container_id, sandbox, proc)
 
@@ -169,25 +175,8 @@ async def exec_process(container: Container, exec_id: str, process: dict,
         json.dump(process, f)
     proc = Process(container.id, exec_id)
     try:
-        with Stdio(want) as stdio:
-            args = ["exec", "--detach", "--process", process_file, "--pid-file", pid_file]
-            if want.terminal:
-                args += ["--console-socket", stdio.console_path]
-            fds = stdio.fds()
-            started = asyncio.create_task(runc.runc(
-                container.id, *args, container.id, stdin=fds["stdin"], stdout=fds["stdout"],
-                stderr=fds["stderr"]))
-            if want.terminal:
-                pty = asyncio.create_task(stdio.receive_pty())
-                await asyncio.wait([started, pty], return_when=asyncio.FIRST_EXCEPTION)
-                if started.done() and started.exception():
-                    pty.cancel()
-                    raise started.exception()  # type: ignore[misc]
-                proc.pty = await pty
-            await started
-            stdio.attach(proc)
-        with open(pid_file) as f:
-            proc.pid = int(f.read().strip())
+        await _spawn(proc, container.id, ["exec", "--detach", "--process", process_file,
+                                          "--pid-file", pid_file, container.id], want, pid_file)
     finally:
         for path in (process_file, pid_file):
             try:
