@@ -54,6 +54,11 @@ class CgroupManager(abc.ABC):
         """Every thread of `pid` into the sandbox cgroup itself (unsorted)."""
 
     @abc.abstractmethod
+    def return_process(self, pid: int, cgroups: Mapping[str, str]) -> None:
+        """Every thread of `pid` back to the cgroups it was in (as thread_cgroups() read
+        them before), e.g. a shim leaving its sandbox before the sandbox is removed."""
+        raise NotImplementedError
+
     def move_thread(self, layout: SandboxLayout, child: str, tid: int) -> bool:
         """One thread into vcpus/ or vmm/; False when it has exited meanwhile."""
 

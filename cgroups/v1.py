@@ -5,7 +5,7 @@ pids and devices."""
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .errors import CgroupError, InvalidLimits, ProcessGone
 from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
@@ -123,6 +123,12 @@ class CgroupV1Manager(CgroupManager):
                     except CgroupError:
                         pass
             raise
+
+    def return_process(self, pid: int, cgroups: Mapping[str, str]) -> None:
+        for h in self.hierarchies:
+            path = next((cgroups[c] for c in sorted(h.controllers) if c in cgroups), None)
+            if path is not None:
+                write_id(os.path.join(h.directory(path), "cgroup.procs"), pid)
 
     def move_thread(self, layout: SandboxLayout, child: str, tid: int) -> bool:
         for h in self.hierarchies:

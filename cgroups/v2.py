@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Mapping
 
 from .errors import CgroupError, CgroupIOError, InvalidLimits, ProcessGone
 from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
@@ -87,6 +88,10 @@ class CgroupV2Manager(CgroupManager):
 
     def place_process(self, layout: SandboxLayout, pid: int) -> None:
         write_id(os.path.join(self._dir(layout.sandbox), "cgroup.procs"), pid)
+
+    def return_process(self, pid: int, cgroups: Mapping[str, str]) -> None:
+        if UNIFIED in cgroups:
+            write_id(os.path.join(self._dir(cgroups[UNIFIED]), "cgroup.procs"), pid)
 
     def move_thread(self, layout: SandboxLayout, child: str, tid: int) -> bool:
         try:

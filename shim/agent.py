@@ -2,7 +2,7 @@
 socket. A lost connection means the guest (or QEMU) is gone: UNAVAILABLE."""
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import Message
@@ -10,6 +10,9 @@ from google.protobuf.message import Message
 from .pb.agent import agent_pb2 as pb
 from .stdio import Stdio
 from .ttrpc import Client, Code, ConnectionClosed, TtrpcError
+
+if TYPE_CHECKING:
+    from .hypervisor import VM
 
 SERVICE = "podvm.agent.v1.Agent"
 R = TypeVar("R", bound=Message)
@@ -21,8 +24,9 @@ class Agent:
         self._sandbox_id = sandbox_id
 
     @classmethod
-    async def connect(cls, socket_path: str, sandbox_id: str) -> "Agent":
-        return cls(await Client.connect(socket_path), sandbox_id)
+    def of_vm(cls, vm: "VM") -> "Agent":
+        """Over the connection the VM made to the agent's port before its guest ran."""
+        return cls(Client(*vm.take_agent_stream()), vm.spec.sandbox_id)
 
     async def close(self) -> None:
         await self._client.close()

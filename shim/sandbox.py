@@ -14,6 +14,7 @@ import shutil
 from . import guestspec, mounts, paths
 from .agent import Agent
 from .config import Config
+from .hostcgroup import HostCgroup, destroy_from_state, layout_for
 from .hypervisor import VM, VMSpec
 from .mounts import Mount
 from .resources import Host, SandboxPlan
@@ -25,16 +26,22 @@ STATE_FILE = "sandbox.json"
 
 class Sandbox:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
-                 plan: SandboxPlan) -> None:
+                 plan: SandboxPlan, cgroups_path: str = "") -> None:
+        """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
+        the sandbox cgroup goes under its parent, the pod cgroup."""
         self.id = sandbox_id
         self.config = config
         self.plan = plan
+        self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
+                                 shim_in_sandbox=config.runtime.sandbox_cgroup_only)
         self.dir = paths.state_dir(namespace, sandbox_id)
         self.shared_dir = os.path.join(self.dir, "shared")
         self.vm_dir = os.path.join(self.dir, "vm")
         self.vm: VM | None = None
         self.agent: Agent | None = None
-        self._state: dict = {"sandbox_id": sandbox_id, "qemu_pid": 0, "rootfs": {}}
+        self._state: dict = {"sandbox_id": sandbox_id, "qemu_pid": 0, "rootfs": {},
+                             "cgroup": self.cgroup.to_state()}
+        self._watch: asyncio.Task | None = None
 
     @property
     def pid(self) -> int:
@@ -52,6 +59,7 @@ class Sandbox:
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         self._persist()
+        self.cgroup.create(self.plan)
         spec = VMSpec(
             sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
             vcpus=self.plan.vcpus, max_vcpus=self.plan.max_vcpus,
@@ -61,10 +69,12 @@ class Sandbox:
 
         self.vm = QemuVM(spec)
         try:
-            await self.vm.launch()
+            await self.vm.launch(preexec=self.cgroup.preexec())
             self._state["qemu_pid"] = self.vm.pid
             self._persist()
-            self.agent = await Agent.connect(self.vm.agent_socket, self.id)
+            self.agent = Agent.of_vm(self.vm)
+            await self.cgroup.place(self.vm)
+            self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
             info = await self.agent.ping(timeout=q.boot_timeout)
         except BaseException as exc:
             log.error("sandbox %s: boot failed (%s); guest console: %s", self.id, exc,
@@ -116,8 +126,12 @@ class Sandbox:
             except Exception as exc:
                 log.debug("agent shutdown: %s", exc)
             await agent.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self.vm is not None:
             await self.vm.stop(timeout=5)
+        self.cgroup.destroy()
         for container_id in list(self._state["rootfs"]):
             self.unshare(container_id)
         mounts.unmount_all(self.shared_dir)
@@ -151,6 +165,8 @@ def cleanup_from_state(state_dir: str) -> None:
     mounts.unmount_all(state_dir)
     for bundle_rootfs in (state.get("rootfs") or {}).values():
         mounts.unmount(bundle_rootfs)
+    if state.get("cgroup"):
+        destroy_from_state(state["cgroup"])
 
 
 def _is_qemu_of(pid: int, sandbox_id: str) -> bool:

@@ -3,8 +3,10 @@ stop it, notice when it dies. Policy (sizes, placement) is decided elsewhere."""
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 from ..config import QemuConfig
 
@@ -60,9 +62,14 @@ class VM(abc.ABC):
     def agent_socket(self) -> str: ...
 
     @abc.abstractmethod
-    async def launch(self) -> None:
-        """Start the VMM and return once the guest agent's port is open; BootTimeout
-        (VM killed) when the guest does not get there in time."""
+    def take_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The connection to the guest agent's port, made before the guest ran (once)."""
+
+    @abc.abstractmethod
+    async def launch(self, preexec: Callable[[], None] | None = None) -> None:
+        """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
+        enters there) and return once the guest agent's port is open; BootTimeout (VM
+        killed) when the guest does not get there in time."""
 
     @abc.abstractmethod
     async def threads(self) -> dict[ThreadRole, list[int]]:

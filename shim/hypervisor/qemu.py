@@ -30,6 +30,7 @@ class QemuVM(VM):
         self._proc: asyncio.subprocess.Process | None = None
         self._qmp: QMPClient | None = None
         self._exit_status: int | None = None
+        self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     @property
     def pid(self) -> int:
@@ -40,6 +41,12 @@ class QemuVM(VM):
     @property
     def agent_socket(self) -> str:
         return os.path.join(self.spec.workdir, "agent.sock")
+
+    def take_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._agent_stream is None:
+            raise HypervisorError(f"VM of sandbox {self.spec.sandbox_id} is not running")
+        stream, self._agent_stream = self._agent_stream, None
+        return stream
 
     @property
     def qmp_socket(self) -> str:
@@ -91,7 +98,7 @@ class QemuVM(VM):
             raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
                               f"qemu-system-x86 package")
 
-    async def launch(self) -> None:
+    async def launch(self, preexec=None) -> None:
         self.check_files()
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
         for path in (self.agent_socket, self.qmp_socket):
@@ -102,7 +109,7 @@ class QemuVM(VM):
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=preexec)
         except OSError as exc:
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         finally:
@@ -142,6 +149,9 @@ class QemuVM(VM):
             await asyncio.sleep(0.005)
         await qmp.connect(self.qmp_socket)
         self._qmp = qmp
+        # Connected before the guest runs: a guest that opens its port while the host
+        # side is unconnected reads end-of-file.
+        self._agent_stream = await asyncio.open_unix_connection(self.agent_socket)
         with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
             await qmp.execute("cont")
             async for event in port_events:
@@ -194,6 +204,9 @@ class QemuVM(VM):
             except Exception as exc:
                 log.debug("QMP quit: %s", exc)
         await self._disconnect_qmp()
+        if self._agent_stream is not None:  # never taken
+            self._agent_stream[1].close()
+            self._agent_stream = None
         if proc is not None and proc.returncode is None:
             try:
                 await asyncio.wait_for(proc.wait(), timeout)

@@ -3,6 +3,7 @@ process, check its state, act through the pod's sandbox, publish the event."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -95,7 +96,8 @@ class TaskService:
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
                              f"this shim does not run")
         if boots_vm:
-            await self._boot(req.id, cfg, spec)
+            await self.boot_sandbox(req.id, cfg, _plan(cfg, spec),
+                                    (spec.get("linux") or {}).get("cgroupsPath") or "")
         assert self.sandbox is not None
         guest = guestspec.rewrite(spec, req.id)
         for what in guest.dropped:
@@ -127,10 +129,21 @@ class TaskService:
                              terminal=req.terminal), pid=init.pid))
         return api.CreateTaskResponse(pid=init.pid)
 
-    async def _boot(self, container_id: str, cfg: config.Config, spec: dict) -> None:
-        from ..sandbox import Sandbox  # the VM machinery loads with a pod's first Create
+    async def boot_sandbox(self, container_id: str, cfg: config.Config,
+                           plan: SandboxPlan, cgroups_path: str = "") -> None:
+        """Boot the pod's VM from a computed plan; Task.Create of the sandbox container
+        and the Sandbox API's StartSandbox both come here. `cgroups_path` is where the
+        sandbox container's cgroup would be (cgroupfs or systemd syntax): the sandbox
+        cgroup goes under its parent, the pod cgroup."""
+        import cgroups  # the VM machinery loads with a pod's first Create
 
-        sandbox = Sandbox(self.namespace, container_id, cfg, _plan(cfg, spec))
+        from ..sandbox import Sandbox
+
+        try:
+            sandbox = Sandbox(self.namespace, container_id, cfg, plan, cgroups_path)
+        except cgroups.CgroupError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: cgroup of sandbox "
+                             f"{container_id}: {exc}") from None
         for line in sandbox.plan.explanation:
             log.info("sandbox %s plan: %s", container_id, line)
         started = time.monotonic()
@@ -138,6 +151,11 @@ class TaskService:
             await sandbox.boot()
         except MissingFile as exc:
             raise TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}") from None
+        except cgroups.InvalidLimits as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: sandbox cgroup: {exc}") from None
+        except cgroups.CgroupError as exc:
+            raise TtrpcError(Code.FAILED_PRECONDITION,
+                             f"podvm: sandbox cgroup: {exc}") from None
         except HypervisorError as exc:
             raise TtrpcError(Code.UNAVAILABLE, f"podvm: {exc}") from None
         log.info("sandbox %s: VM ready in %.2fs", container_id, time.monotonic() - started)
@@ -422,6 +440,7 @@ def _plan(cfg: config.Config, spec: dict) -> SandboxPlan:
         req = annotations_model.apply_kata_overrides(
             request_from_config(cfg, pod), annotations, cfg.qemu.enable_annotations,
             cfg.source)
+        req = dataclasses.replace(req, memory_overhead_mib=cfg.qemu.vmm_overhead_mib)
         from ..sandbox import host
 
         return plan_sandbox(req, host())

@@ -1,7 +1,6 @@
 """The whole Task API driven as containerd drives it (ttrpc on the shim's socket, FIFOs
 for stdio), on a real VM: what ctr and the CRI do not reach easily — stdin, terminals,
-bad requests. (Pause, update, pids and stats through this path: see the closing note of
-the VM-pods issue.)"""
+pause, pids, kill --all, bad requests."""
 from __future__ import annotations
 
 import asyncio
@@ -228,3 +227,39 @@ async def test_bad_requests_answer_codes_and_leave_nothing(shim) -> None:
     with pytest.raises(TtrpcError) as err:
         await create(shim, "sb", shim["bundle"], fifos)
     assert err.value.code == Code.ALREADY_EXISTS
+
+
+async def test_pause_update_pids_stats_and_kill_all(shim) -> None:
+    fifos = Fifos(shim["tmp"], "busy")
+    script = "sleep 1000 & sleep 1000 & echo started; wait"
+    await create(shim, "busy", workload_bundle(shim, "busy", args=["sh", "-c", script],
+                                               memory=64 << 20), fifos)
+    await call(shim, "Start", api.StartRequest(id="busy"), api.StartResponse)
+    assert b"started" in await fifos.read(fifos.out, b"started")
+    async with asyncio.timeout(30):
+        pids = await call(shim, "Pids", api.PidsRequest(id="busy"), api.PidsResponse)
+    assert len(pids.processes) == 3, pids  # sh and its two sleeps
+    async with asyncio.timeout(30):
+        await call(shim, "Pause", api.PauseRequest(id="busy"))
+    state = await call(shim, "State", api.StateRequest(id="busy"))
+    assert state.status == 4  # PAUSED
+    async with asyncio.timeout(30):
+        await call(shim, "Resume", api.ResumeRequest(id="busy"))
+    state = await call(shim, "State", api.StateRequest(id="busy"))
+    assert state.status == 2  # RUNNING
+    update = api.UpdateTaskRequest(id="busy")
+    update.resources.type_url = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources"
+    update.resources.value = json.dumps({"memory": {"limit": 96 << 20}}).encode()
+    async with asyncio.timeout(30):
+        await call(shim, "Update", update)
+        stats = await call(shim, "Stats", api.StatsRequest(id="busy"), api.StatsResponse)
+    from shim.pb.containerd.cgroups.v2 import metrics_pb2
+    assert stats.stats.type_url == "io.containerd.cgroups.v2.Metrics"  # containerd's name
+    metrics = metrics_pb2.Metrics.FromString(stats.stats.value)
+    assert metrics.memory.usage_limit == 96 << 20
+    assert metrics.pids.current == 3
+    async with asyncio.timeout(30):
+        await call(shim, "Kill", api.KillRequest(id="busy", signal=9, all=True))
+        waited = await call(shim, "Wait", api.WaitRequest(id="busy"), api.WaitResponse)
+    assert waited.exit_status == 137
+    await call(shim, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)

@@ -26,7 +26,7 @@ async def test_boot_threads_and_stop(tmp_path) -> None:
     vm = QemuVM(spec(tmp_path))
     await vm.launch()
     try:
-        agent = await Agent.connect(vm.agent_socket, "hv-test")
+        agent = Agent.of_vm(vm)
         info = await agent.ping(timeout=30)
         assert info.online_cpus == 2 and info.kernel_release
         roles = await vm.threads()

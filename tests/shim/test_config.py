@@ -21,7 +21,7 @@ def test_partial_file_keeps_other_defaults(tmp_path: pathlib.Path) -> None:
     f.write_text('[hypervisor.qemu]\naccel = "tcg"\ndefault_vcpus = 2\n'
                  'enable_annotations = ["default_vcpus"]\n[runtime]\nenable_vcpus_pinning = true\n')
     c = config.load(str(f))
-    assert (c.qemu.accel, c.qemu.default_vcpus, c.qemu.default_memory) == ("tcg", 2, 2048)
+    assert (c.qemu.accel, c.qemu.default_vcpus, c.qemu.default_memory) == ("tcg", 2, 256)
     assert c.qemu.enable_annotations == ("default_vcpus",)
     assert c.runtime.enable_vcpus_pinning and c.runtime.sandbox_cgroup_only
     assert c.source == str(f)

@@ -1,0 +1,153 @@
+"""The pod VM's host cgroup: where it goes (under the pod cgroup kubelet chose), the
+limits the plan gives it, QEMU started inside it, its threads sorted by role and the
+threads it makes later caught (resources.md section 1, design.md "Sandbox cgroup layout").
+The `cgroups` package does the kernel work; this module decides what to ask of it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import cgroups
+from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
+
+from .hypervisor import VM, ThreadRole
+from .resources import SandboxPlan
+
+log = logging.getLogger("podvm.cgroup")
+
+DEFAULT_POD_CGROUP = "/podvm"
+"""Where a sandbox without a cgroupsPath (nothing chose one) gets its cgroup."""
+OVERHEAD_CGROUP = "/podvm_overhead"
+"""Where shims go with sandbox_cgroup_only = false: charged and visible, outside the pod."""
+WATCH_INTERVAL = 1.0
+
+
+def layout_for(cgroups_path: str, sandbox_id: str) -> SandboxLayout:
+    """From the sandbox container's `linux.cgroupsPath` (cgroupfs or systemd syntax): the
+    sandbox cgroup goes next to it, under the pod cgroup that is its parent."""
+    if not cgroups_path:
+        return SandboxLayout(DEFAULT_POD_CGROUP, sandbox_id)
+    return SandboxLayout.from_cgroups_path(cgroups_path, sandbox_id)
+
+
+def limits_for(plan: SandboxPlan, version: int) -> CgroupLimits:
+    """The plan's sandbox cgroup numbers in the cgroups package's terms (None: unlimited)."""
+    quota = plan.cgroup_cpu_quota if plan.cgroup_cpu_quota > 0 else None
+    return CgroupLimits(
+        cpu_quota_us=quota,
+        cpu_period_us=plan.cgroup_cpu_period if quota else None,
+        cpu_shares=plan.cgroup_cpu_shares,
+        memory_limit_bytes=plan.cgroup_memory_limit if plan.cgroup_memory_limit > 0 else None,
+        cpuset_cpus=plan.cpuset or None,
+        devices=cgroups.QEMU_DEVICES if version == 1 else None)
+
+
+class HostCgroup:
+    """One sandbox's cgroups on the host, plus the shim's own place."""
+
+    def __init__(self, layout: SandboxLayout, shim_in_sandbox: bool) -> None:
+        self.manager = cgroups.detect()
+        self.layout = layout
+        self.shim_in_sandbox = shim_in_sandbox
+        self.overhead = None if shim_in_sandbox else SandboxLayout(OVERHEAD_CGROUP,
+                                                                   layout.sandbox_id)
+        self.sandbox: SandboxCgroup | None = None
+        self._home = self.manager.thread_cgroups(os.getpid(), os.getpid()) or {}
+        """Where the shim was before: it goes back there when the sandbox is removed, so
+        that it never holds up the removal of the pod cgroup kubelet made."""
+        self._known_tids: frozenset[int] = frozenset()
+
+    def to_state(self) -> dict:
+        """Written to sandbox.json before anything is created."""
+        state = {"manager": self.manager.to_state(), "layout": self.layout.to_state()}
+        if self.overhead is not None:
+            state["overhead"] = self.overhead.to_state()
+        return state
+
+    def create(self, plan: SandboxPlan) -> None:
+        """The sandbox cgroup with the plan's limits, and the shim moved in (or into its
+        overhead cgroup). All or nothing."""
+        limits = limits_for(plan, self.manager.version)
+        self.sandbox = SandboxCgroup.create(self.layout, limits, self.manager)
+        try:
+            if self.overhead is None:
+                self.sandbox.place_process(os.getpid())
+            else:
+                self.manager.create(self.overhead)
+                self.manager.place_process(self.overhead, os.getpid())
+        except BaseException:
+            self.destroy()
+            raise
+        log.info("sandbox cgroup %s (%s): %s; shim in %s", self.layout.sandbox,
+                 self.manager.describe(), limits,
+                 self.layout.sandbox if self.overhead is None else self.overhead.sandbox)
+
+    def preexec(self):
+        assert self.sandbox is not None
+        return self.sandbox.preexec()
+
+    async def place(self, vm: VM) -> dict[str, list[int]]:
+        """Every QEMU thread by role: vCPUs into vcpus/, the rest into vmm/."""
+        assert self.sandbox is not None
+        roles = await vm.threads()
+        self.sandbox.adopt_process(vm.pid)
+        placed = self.sandbox.place_threads(roles)
+        self._known_tids = frozenset(t for tids in roles.values() for t in tids)
+        log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
+                 ", ".join(f"{role} {tids}" for role, tids in placed.items()))
+        return placed
+
+    async def watch(self, vm: VM) -> None:
+        """Threads QEMU makes later (I/O workers, hot-plugged vCPUs) start in their
+        creator's cgroup: sort each one as it appears."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            try:
+                tids = frozenset(int(t) for t in os.listdir(f"/proc/{vm.pid}/task"))
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            if tids <= self._known_tids:
+                self._known_tids = tids
+                continue
+            await self.place_new(vm)
+
+    async def place_new(self, vm: VM) -> None:
+        assert self.sandbox is not None
+        try:
+            roles = await vm.threads()
+        except Exception as exc:  # QEMU going away
+            log.debug("thread scan of sandbox %s: %s", self.layout.sandbox_id, exc)
+            return
+        moved = self.sandbox.place_new_threads(vm.pid, roles.get(ThreadRole.VCPU, ()))
+        self._known_tids = frozenset(t for tids in roles.values() for t in tids)
+        if moved:
+            log.info("sandbox %s: new QEMU threads placed: %s", self.layout.sandbox_id,
+                     ", ".join(f"{role} {tids}" for role, tids in moved.items()))
+
+    def apply(self, plan: SandboxPlan) -> None:
+        assert self.sandbox is not None
+        self.sandbox.apply(limits_for(plan, self.manager.version))
+
+    def destroy(self) -> None:
+        """The shim goes back where it came from, any other leftover up to the pod
+        cgroup; idempotent."""
+        if self._home:
+            try:
+                self.manager.return_process(os.getpid(), self._home)
+            except cgroups.CgroupError as exc:
+                log.warning("shim could not return to %s: %s", self._home, exc)
+        if self.sandbox is not None:
+            self.sandbox.destroy()
+        else:
+            self.manager.destroy(self.layout)
+        if self.overhead is not None:
+            self.manager.destroy(self.overhead)
+
+
+def destroy_from_state(state: dict) -> None:
+    """After a crash, from sandbox.json alone."""
+    manager = cgroups.manager_from_state(state["manager"])
+    manager.destroy(SandboxLayout.from_state(state["layout"]))
+    if state.get("overhead"):
+        manager.destroy(SandboxLayout.from_state(state["overhead"]))
