@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 
-from . import cleanup, log as shimlog, paths
+from . import cleanup, log as shimlog, manager, paths
 from .events import Publisher
 from .flags import Flags
 from .pb.containerd.task.v2 import shim_pb2
@@ -58,6 +58,12 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     await tasks.close()
     await publisher.close()
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
+    owner = (manager.read_state(flags.namespace, group) or {}).get("pid")
+    if owner not in (None, os.getpid()):
+        # A new daemon for the same id (started after this one was given up for dead)
+        # owns the socket and the state directory now.
+        log.info("state of %s now belongs to shim %s: leaving it", group, owner)
+        return
     cleanup.remove_shim_state(flags.namespace, group, flags.socket)
 
 

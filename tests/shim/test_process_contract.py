@@ -157,6 +157,19 @@ async def test_shutdown_exits_and_cleans_up(started) -> None:
     assert not os.path.exists(f"/run/podvm/{NS}/sb1")
 
 
+async def test_exiting_daemon_leaves_state_a_newer_daemon_owns(started) -> None:
+    """A daemon given up for dead whose id was started again must not remove what the
+    new daemon uses when it finally exits."""
+    pid = daemon_pid(NS, "sb1")
+    state = pathlib.Path(f"/run/podvm/{NS}/sb1/shim.json")
+    newer = os.getpid()  # stands for the newer daemon: alive, and not `pid`
+    state.write_text(state.read_text().replace(f'"pid": {pid}', f'"pid": {newer}'))
+    os.kill(pid, signal.SIGTERM)
+    await wait_gone(pid)
+    assert state.exists()
+    state.write_text(state.read_text().replace(f'"pid": {newer}', f'"pid": {pid}'))
+
+
 def test_delete_after_a_lost_daemon(started, grpc_address) -> None:
     bundle, address = started
     pid = daemon_pid(NS, "sb1")
