@@ -1,4 +1,4 @@
-"""podvmctl: inspect podvm from the host (configuration now; sandboxes as they come)."""
+"""podvmctl: inspect podvm from the host: its configuration and running sandboxes."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,18 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from . import status  # the cgroup machinery, only for this command
+
+    try:
+        report = status.collect(status.find(args.sandbox, args.namespace or ""))
+    except (status.StatusError, OSError, ValueError) as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else status.render(report))
+    return 0
+
+
 def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -47,6 +59,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--file", help="configuration file to check instead of the lookup order")
     c.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     c.set_defaults(func=_config)
+    s = sub.add_parser("status", help="show a running sandbox: plan, VM size, cgroups, threads",
+                       description="Show one sandbox as the host sees it now: its plan and "
+                                   "why, the VM's size, the sandbox cgroup's limits read back "
+                                   "from the kernel, every QEMU (and shim) thread with its "
+                                   "role and cgroups, and any difference between Kubernetes' "
+                                   "view, the VM and the host.")
+    s.add_argument("sandbox", help="the pod sandbox id (as crictl pods shows it)")
+    s.add_argument("--namespace", help="containerd namespace (default: the one that has it)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=_status)
     return p
 
 

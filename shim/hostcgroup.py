@@ -100,29 +100,35 @@ class HostCgroup:
 
     async def watch(self, vm: VM) -> None:
         """Threads QEMU makes later (I/O workers, hot-plugged vCPUs) start in their
-        creator's cgroup: sort each one as it appears."""
+        creator's cgroup, and anyone may move a thread: every second, each thread not
+        where its role says is put back (QMP is asked for the vCPUs only when threads
+        came or went; otherwise this reads /proc alone)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             try:
                 tids = frozenset(int(t) for t in os.listdir(f"/proc/{vm.pid}/task"))
             except (FileNotFoundError, ProcessLookupError):
                 return
-            if tids <= self._known_tids:
-                self._known_tids = tids
-                continue
-            await self.place_new(vm)
+            try:
+                await self.place_new(vm, ask_vm=tids != self._known_tids)
+            except cgroups.CgroupError as exc:
+                log.warning("sandbox %s: thread placement: %s", self.layout.sandbox_id, exc)
 
-    async def place_new(self, vm: VM) -> None:
+    async def place_new(self, vm: VM, ask_vm: bool = True) -> None:
+        """Sort threads that are not where their role says (after a hot-plug, say)."""
         assert self.sandbox is not None
-        try:
-            roles = await vm.threads()
-        except Exception as exc:  # QEMU going away
-            log.debug("thread scan of sandbox %s: %s", self.layout.sandbox_id, exc)
-            return
-        moved = self.sandbox.place_new_threads(vm.pid, roles.get(ThreadRole.VCPU, ()))
-        self._known_tids = frozenset(t for tids in roles.values() for t in tids)
+        vcpus: list[int] = []
+        if ask_vm:
+            try:
+                roles = await vm.threads()
+            except Exception as exc:  # QEMU going away
+                log.debug("thread scan of sandbox %s: %s", self.layout.sandbox_id, exc)
+                return
+            vcpus = roles.get(ThreadRole.VCPU, [])
+            self._known_tids = frozenset(t for tids in roles.values() for t in tids)
+        moved = self.sandbox.place_new_threads(vm.pid, vcpus)
         if moved:
-            log.info("sandbox %s: new QEMU threads placed: %s", self.layout.sandbox_id,
+            log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
                      ", ".join(f"{role} {tids}" for role, tids in moved.items()))
 
     def apply(self, plan: SandboxPlan) -> None:

@@ -6,10 +6,12 @@ Everything made on the host is recorded in `sandbox.json` before it is made, so 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import time
 
 from . import guestspec, mounts, paths
 from .agent import Agent
@@ -40,7 +42,8 @@ class Sandbox:
         self.vm: VM | None = None
         self.agent: Agent | None = None
         self._state: dict = {"sandbox_id": sandbox_id, "qemu_pid": 0, "rootfs": {},
-                             "cgroup": self.cgroup.to_state()}
+                             "cgroup": self.cgroup.to_state(), "plan": plan_state(plan),
+                             "vm": {}}
         self._watch: asyncio.Task | None = None
 
     @property
@@ -83,6 +86,19 @@ class Sandbox:
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
+        self.record_vm(info.online_cpus, info.memory_total_bytes)
+
+    def record_vm(self, online_cpus: int, memory_total_bytes: int) -> None:
+        """What the guest reports it has, next to the plan, for `podvmctl status`."""
+        self._state["vm"] = {"online_cpus": online_cpus,
+                             "memory_total_mib": memory_total_bytes >> 20,
+                             "at": time.time()}
+        self._persist()
+
+    def record_plan(self, plan: SandboxPlan) -> None:
+        self.plan = plan
+        self._state["plan"] = plan_state(plan)
+        self._persist()
 
     def console_tail(self) -> str:
         return self.vm.console_tail() if self.vm else "(no VM)"
@@ -139,6 +155,10 @@ class Sandbox:
         remove_tree(self.vm_dir)
         self._state["qemu_pid"] = 0
         self._persist()
+
+
+def plan_state(plan: SandboxPlan) -> dict:
+    return dataclasses.asdict(plan)
 
 
 def remove_tree(path: str) -> None:

@@ -1,0 +1,162 @@
+"""`podvmctl status`: one sandbox as the kernel sees it now, next to its plan. Read from
+the sandbox's persisted state and /proc and the cgroup files, never from the shim (which
+may be gone): every QEMU thread with its role and cgroups, the limits read back, the
+VM's size, and Kubernetes' view of the pod beside the host's with differences flagged."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import asdict
+
+import cgroups
+from cgroups import SandboxLayout
+
+from . import paths
+from .sandbox import STATE_FILE
+
+MIB = 1 << 20
+
+
+class StatusError(Exception):
+    pass
+
+
+def find(sandbox_id: str, namespace: str = "") -> str:
+    """The state directory of `sandbox_id` (in `namespace`, or the only one that has it)."""
+    if namespace:
+        found = [paths.state_dir(namespace, sandbox_id)]
+    else:
+        found = sorted(os.path.dirname(p) for p in glob.glob(
+            os.path.join(paths.STATE_ROOT, "*", glob.escape(sandbox_id), STATE_FILE)))
+    found = [d for d in found if os.path.isfile(os.path.join(d, STATE_FILE))]
+    if not found:
+        where = f"namespace {namespace}" if namespace else f"any namespace under " \
+                                                          f"{paths.STATE_ROOT}"
+        raise StatusError(f"no sandbox {sandbox_id!r} in {where}")
+    if len(found) > 1:
+        spaces = ", ".join(os.path.basename(os.path.dirname(d)) for d in found)
+        raise StatusError(f"sandbox {sandbox_id!r} exists in several namespaces ({spaces}): "
+                          f"pass --namespace")
+    return found[0]
+
+
+def thread_role(pid: int, tid: int, name: str, shim_pid: int) -> str:
+    """From QEMU's thread names (it runs with debug-threads=on)."""
+    if pid == shim_pid:
+        return "shim"
+    if name.startswith("CPU "):
+        return "vcpu"
+    if name.startswith("IO "):
+        return "iothread"
+    return "main" if tid == pid else "other"
+
+
+def collect(state_dir: str) -> dict:
+    with open(os.path.join(state_dir, STATE_FILE)) as f:
+        state = json.load(f)
+    shim_pid = 0
+    try:
+        with open(os.path.join(state_dir, "shim.json")) as f:
+            shim_pid = int(json.load(f).get("pid") or 0)
+    except (OSError, ValueError):
+        pass
+    report: dict = {"sandbox_id": state.get("sandbox_id"),
+                    "namespace": os.path.basename(os.path.dirname(state_dir)),
+                    "qemu_pid": state.get("qemu_pid"), "shim_pid": shim_pid,
+                    "plan": state.get("plan") or {}, "vm": state.get("vm") or {}}
+    outside: list[str] = []
+    cg_state = state.get("cgroup")
+    if cg_state:
+        sandbox = cgroups.SandboxCgroup.from_state(cg_state)
+        if state.get("qemu_pid"):
+            try:
+                sandbox.adopt_process(state["qemu_pid"])
+            except cgroups.ProcessGone:
+                outside.append(f"QEMU {state['qemu_pid']} has exited")
+            except cgroups.NotInSandbox as exc:
+                outside.append(str(exc))
+        back = sandbox.read_back()
+        report["cgroup"] = {
+            "version": back.version, "path": back.sandbox,
+            "controllers": sorted(back.controllers),
+            "limits": asdict(back.limits),
+            "threads": [dict(tid=t.tid, pid=t.pid, name=t.name,
+                             role=thread_role(t.pid, t.tid, t.name, shim_pid),
+                             location=t.location, cgroups=dict(t.cgroups))
+                        for t in back.threads],
+        }
+        layout = SandboxLayout.from_state(cg_state["layout"])
+        report["cgroup"]["pod_cgroup"] = layout.pod_cgroup
+    report["differences"] = outside + differences(report)
+    return report
+
+
+def differences(report: dict) -> list[str]:
+    """Where Kubernetes' view (the pod's limits plus the RuntimeClass overhead the plan
+    expects), the VM and the host cgroup do not agree."""
+    plan, out = report.get("plan") or {}, []
+    limits = (report.get("cgroup") or {}).get("limits") or {}
+    if plan and limits:
+        want_mem = plan.get("cgroup_memory_limit", -1)
+        have_mem = limits.get("memory_limit_bytes")
+        if want_mem > 0 and have_mem != want_mem:
+            out.append(f"memory: the plan says {want_mem // MIB} MiB, the sandbox cgroup "
+                       f"has {_mib(have_mem)}")
+        want_quota = plan.get("cgroup_cpu_quota", -1)
+        have_quota = limits.get("cpu_quota_us")
+        if want_quota > 0 and have_quota != want_quota:
+            out.append(f"cpu: the plan says quota {want_quota} us, the sandbox cgroup has "
+                       f"{have_quota or 'none'}")
+    vm = report.get("vm") or {}
+    if plan and vm.get("online_cpus") and vm["online_cpus"] != plan.get("vcpus"):
+        out.append(f"vCPUs: the plan says {plan.get('vcpus')}, the guest has "
+                   f"{vm['online_cpus']} online")
+    for t in (report.get("cgroup") or {}).get("threads", []):
+        expected = {"vcpu": ("vcpus",), "shim": ("sandbox", "vmm", "outside")}.get(
+            t["role"], ("vmm",))
+        if t["location"] not in expected:
+            out.append(f"thread {t['tid']} ({t['name']}, {t['role']}) is in "
+                       f"{t['location']}, not {' or '.join(expected)}")
+    return out
+
+
+def _mib(value: int | None) -> str:
+    return "no limit" if value is None else f"{value // MIB} MiB"
+
+
+def render(report: dict) -> str:
+    plan, vm = report.get("plan") or {}, report.get("vm") or {}
+    lines = [f"sandbox {report['sandbox_id']} (namespace {report['namespace']}): "
+             f"QEMU pid {report['qemu_pid'] or '-'}, shim pid {report['shim_pid'] or '-'}"]
+    if plan:
+        quota = plan["cgroup_cpu_quota"]
+        lines += [
+            f"plan: {plan['vcpus']} vCPUs (up to {plan['max_vcpus']}), {plan['memory_mib']} MiB "
+            f"(up to {plan['max_memory_mib']} MiB); sandbox cgroup: cpu "
+            f"{'quota %d/%d us' % (quota, plan['cgroup_cpu_period']) if quota > 0 else 'no quota'}"
+            f", shares {plan['cgroup_cpu_shares']}, memory "
+            f"{_mib(plan['cgroup_memory_limit'] if plan['cgroup_memory_limit'] > 0 else None)}"
+            f", cpuset {plan['cpuset'] or 'all'}",
+            f"Kubernetes: the RuntimeClass overhead for this plan is memory "
+            f"{plan['overhead_memory_mib']}Mi, cpu {plan['overhead_cpu_millis']}m"]
+        lines += [f"  why: {line}" for line in plan.get("explanation", [])]
+    if vm:
+        lines.append(f"VM (as the guest reports): {vm.get('online_cpus')} vCPUs online, "
+                     f"MemTotal {vm.get('memory_total_mib')} MiB")
+    cg = report.get("cgroup")
+    if cg:
+        lim = cg["limits"]
+        lines.append(f"cgroup v{cg['version']} {cg['path']} (pod cgroup {cg['pod_cgroup']}; "
+                     f"{', '.join(cg['controllers'])})")
+        lines.append("  read back: " + ", ".join(
+            f"{k} {v}" for k, v in lim.items() if v is not None and k != "devices"))
+        lines.append(f"  {'TID':>7}  {'NAME':<18} {'ROLE':<9} {'WHERE':<8} CGROUPS")
+        for t in cg["threads"]:
+            where = sorted(set(t["cgroups"].values()))
+            lines.append(f"  {t['tid']:>7}  {t['name'][:18]:<18} {t['role']:<9} "
+                         f"{t['location']:<8} {', '.join(where)}")
+    diffs = report.get("differences") or []
+    lines.append("differences: " + ("none" if not diffs else ""))
+    lines += [f"  ! {d}" for d in diffs]
+    return "\n".join(lines)

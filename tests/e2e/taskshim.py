@@ -1,0 +1,179 @@
+"""A pod's shim driven as containerd drives it: ttrpc on the shim's socket, FIFOs for
+stdio, an events endpoint, a busybox rootfs; for tests and benchmarks that need a real
+VM pod without containerd in between."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import pathlib
+import tarfile
+
+from google.protobuf.empty_pb2 import Empty
+
+from shim.pb.containerd.runtimeoptions.v1.api_pb2 import Options
+from shim.pb.containerd.services.events.ttrpc.v1 import events_pb2
+from shim.pb.containerd.services.events.ttrpc.v1.events_pb2 import ForwardRequest
+from shim.pb.containerd.task.v2 import shim_pb2 as api
+from shim.pb.containerd.types.mount_pb2 import Mount
+from shim.ttrpc import Client, ConnectionClosed, Server, bind
+from tests.conftest import require_root
+from tests.shim.shimproc import daemon_pid, run_shim
+from tests.shim.test_process_contract import wait_gone
+from tests.vmconfig import write_test_config
+
+from .image import _layer
+
+TASK = "containerd.task.v2.Task"
+NS = "podvm-task-test"
+
+
+def spec(args: list[str], terminal: bool = False, memory: int | None = None) -> dict:
+    resources = {"memory": {"limit": memory}} if memory else {}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {"terminal": terminal, "user": {"uid": 0, "gid": 0}, "args": args,
+                    "env": ["PATH=/bin", "TERM=xterm"], "cwd": "/"},
+        "root": {"path": "rootfs"},
+        "hostname": "task-api",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"},
+                                 {"type": "mount"}],
+                  "resources": resources},
+    }
+
+
+class Fifos:
+    """containerd's side of a process's stdio."""
+
+    def __init__(self, directory: pathlib.Path, name: str, stdin: bool = False) -> None:
+        self.paths = {s: str(directory / f"{name}-{s}") for s in ("stdin", "stdout", "stderr")}
+        for p in self.paths.values():
+            os.mkfifo(p)
+        self.out = os.open(self.paths["stdout"], os.O_RDONLY | os.O_NONBLOCK)
+        self.err = os.open(self.paths["stderr"], os.O_RDONLY | os.O_NONBLOCK)
+        self.stdin = stdin
+
+    def request_fields(self) -> dict:
+        return {"stdin": self.paths["stdin"] if self.stdin else "",
+                "stdout": self.paths["stdout"], "stderr": self.paths["stderr"]}
+
+    async def read(self, fd: int, until: bytes, timeout: float = 30) -> bytes:
+        data = b""
+        async with asyncio.timeout(timeout):
+            while until not in data:
+                try:
+                    chunk = os.read(fd, 65536)
+                    data += chunk
+                except BlockingIOError:
+                    await asyncio.sleep(0.05)
+        return data
+
+
+def busybox_rootfs(root: pathlib.Path) -> pathlib.Path:
+    with tarfile.open(fileobj=io.BytesIO(_layer())) as tar:
+        tar.extractall(root)
+    return root
+
+
+class EventSink:
+    """containerd's side of event publishing: records what the shim forwards."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def Forward(self, req: ForwardRequest, ctx) -> Empty:
+        self.events.append((req.envelope.topic, req.envelope.event.type_url))
+        return Empty()
+
+
+@contextlib.asynccontextmanager
+async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
+                    **qemu: object):
+    """A pod's shim started as containerd starts it, with the sandbox container created
+    (and its cgroup under the parent of `cgroups_path`); everything stopped afterwards."""
+    require_root()
+    grpc = str(tmp_path / "containerd.sock")
+    sink = EventSink()
+    events_server = Server([bind(events_pb2.DESCRIPTOR.services_by_name["Events"], sink)])
+    await events_server.start_path(grpc + ".ttrpc")
+    bundle = tmp_path / "sb"
+    (bundle / "rootfs").mkdir(parents=True)
+    sandbox_spec = spec(["sleep", "1000"])
+    if cgroups_path:
+        sandbox_spec["linux"]["cgroupsPath"] = cgroups_path
+    (bundle / "config.json").write_text(json.dumps(sandbox_spec))
+    (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
+    started = run_shim(bundle, "sb", "start", grpc, namespace=NS,
+                       env=dict(os.environ, TTRPC_ADDRESS=grpc + ".ttrpc"))
+    assert started.returncode == 0, started.stderr
+    client = await Client.connect(started.stdout.decode(),
+                                  metadata=[("containerd-namespace-ttrpc", NS)])
+    options = api.CreateTaskRequest().options
+    options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", **qemu))))
+    ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
+           "grpc": grpc, "bundle": bundle, "events": sink.events}
+    try:
+        await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))
+    except Exception:
+        print((bundle / "log").read_text())
+        raise
+    await client.call(TASK, "Start", api.StartRequest(id="sb"), api.StartResponse)
+    try:
+        yield ctx
+        await client.call(TASK, "Kill", api.KillRequest(id="sb", signal=9, all=True),
+                          api.StateResponse)
+        waited = await client.call(TASK, "Wait", api.WaitRequest(id="sb"), api.WaitResponse)
+        assert waited.exit_status == 137
+        await client.call(TASK, "Delete", api.DeleteRequest(id="sb"), api.DeleteResponse)
+        pid = daemon_pid(NS, "sb")
+        try:
+            await client.call(TASK, "Shutdown", api.ShutdownRequest(id="sb"),
+                              api.StateResponse)
+        except ConnectionClosed:
+            pass  # containerd takes a closed connection during Shutdown as success
+        await wait_gone(pid, timeout=15)
+        assert not os.path.exists(f"/run/podvm/{NS}/sb")
+        sandbox_events = [t for t, _ in sink.events]
+        assert sandbox_events[:2] == ["/tasks/create", "/tasks/start"]
+        assert sandbox_events[-2:] == ["/tasks/exit", "/tasks/delete"]
+    finally:
+        await client.close()
+        await events_server.close()
+        run_shim(bundle, "sb", "delete", grpc, namespace=NS)
+
+
+async def create(ctx: dict, cid: str, bundle: pathlib.Path, fifos: Fifos,
+                 terminal: bool = False) -> api.CreateTaskResponse:
+    req = api.CreateTaskRequest(id=cid, bundle=str(bundle), terminal=terminal,
+                                rootfs=[Mount(type="bind", source=str(ctx["rootfs"]),
+                                              options=["rbind", "rw"])],
+                                **fifos.request_fields())
+    req.options.CopyFrom(ctx["options"])
+    return await ctx["client"].call(TASK, "Create", req, api.CreateTaskResponse)
+
+
+def workload_bundle(ctx: dict, cid: str, **kw) -> pathlib.Path:
+    bundle = ctx["tmp"] / cid
+    (bundle / "rootfs").mkdir(parents=True)
+    s = spec(**kw)
+    s["annotations"] = {"io.kubernetes.cri.sandbox-id": "sb",
+                        "io.kubernetes.cri.container-type": "container"}
+    (bundle / "config.json").write_text(json.dumps(s))
+    return bundle
+
+
+async def call(ctx, method, request, response=api.StateResponse):
+    return await ctx["client"].call(TASK, method, request, response)
+
+

@@ -1,0 +1,178 @@
+"""Every host thread of a pod's VM in the pod's sandbox cgroup, by role, on this host's
+real cgroup v1 hierarchies with a real QEMU (TCG), and the CPU and memory QEMU uses
+charged there (resources.md section 1). The same placement on cgroup v2 runs inside the
+guest VM: tests/cgroups/test_v2_full_host.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import uuid
+
+import pytest
+
+import cgroups
+from shim.pb.containerd.task.v2 import shim_pb2 as api
+
+from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rootfs(tmp_path_factory) -> pathlib.Path:
+    return busybox_rootfs(tmp_path_factory.mktemp("busybox-rootfs"))
+
+
+@pytest.fixture
+async def pod(tmp_path, rootfs):
+    parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
+    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb") as ctx:
+        ctx["pod_cgroup"] = parent
+        ctx["sandbox_cgroup"] = f"{parent}/podvm_sb"
+        ctx["qemu_pid"] = sandbox_state()["qemu_pid"]
+        yield ctx
+    manager = cgroups.detect()
+    for h in manager.to_state().get("hierarchies", []):
+        sandbox_dir = pathlib.Path(h["mountpoint"]) / parent.strip("/") / "podvm_sb"
+        assert not sandbox_dir.exists(), f"{sandbox_dir} left after teardown"
+        pod_dir = pathlib.Path(h["mountpoint"]) / parent.strip("/")
+        if pod_dir.is_dir():
+            pod_dir.rmdir()  # made for the test (kubelet's, in real life)
+
+
+def sandbox_state() -> dict:
+    return json.loads(pathlib.Path(f"/run/podvm/{NS}/sb/sandbox.json").read_text())
+
+
+def threads(pid: int) -> dict[int, tuple[str, dict[str, str]]]:
+    """tid -> (name, controller -> cgroup path) for each thread of `pid`."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = pathlib.Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            lines = pathlib.Path(f"/proc/{pid}/task/{tid}/cgroup").read_text().splitlines()
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        groups = {}
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(","):
+                groups[c] = path
+        out[int(tid)] = (name, groups)
+    return out
+
+
+SPLIT = ("cpu", "cpuacct", "cpuset")  # controllers vcpus/ and vmm/ exist in
+WHOLE = ("memory", "pids", "devices")
+
+
+def misplaced(pod: dict) -> list[str]:
+    """Every thread not exactly where design.md puts it: the empty list when all are."""
+    sandbox, wrong = pod["sandbox_cgroup"], []
+    for tid, (name, groups) in threads(pod["qemu_pid"]).items():
+        child = "vcpus" if name.startswith("CPU ") else "vmm"
+        for c in SPLIT:
+            if groups.get(c) != f"{sandbox}/{child}":
+                wrong.append(f"{tid} {name}: {c} {groups.get(c)}, want {sandbox}/{child}")
+        for c in WHOLE:
+            if groups.get(c) != sandbox:
+                wrong.append(f"{tid} {name}: {c} {groups.get(c)}, want {sandbox}")
+    return wrong
+
+
+async def test_every_qemu_thread_is_in_the_sandbox_cgroup_by_role(pod) -> None:
+    found = threads(pod["qemu_pid"])
+    names = [name for name, _ in found.values()]
+    assert sum(n.startswith("CPU ") for n in names) == 1 and len(names) >= 4, names
+    assert misplaced(pod) == []
+    # The shim is charged there too (sandbox_cgroup_only = true by default).
+    shim_pid = json.loads(pathlib.Path(f"/run/podvm/{NS}/sb/shim.json").read_text())["pid"]
+    for c, path in threads(shim_pid)[shim_pid][1].items():
+        if c in SPLIT + WHOLE:
+            assert path == pod["sandbox_cgroup"], (c, path)
+
+
+async def test_threads_that_appear_or_move_are_put_back(pod) -> None:
+    """QEMU makes threads later (9p I/O workers, hot-plugged vCPUs) in their creator's
+    cgroup, and anything may move one: the shim sorts them within seconds."""
+    fifos = Fifos(pod["tmp"], "io")
+    script = "dd if=/dev/zero of=/f bs=64k count=400 2>/dev/null; sync; echo wrote; sleep 1000"
+    await create(pod, "io", workload_bundle(pod, "io", args=["sh", "-c", script]), fifos)
+    await call(pod, "Start", api.StartRequest(id="io"), api.StartResponse)
+    assert b"wrote" in await fifos.read(fifos.out, b"wrote", timeout=60)
+    manager = cgroups.detect()
+    layout = cgroups.SandboxLayout(pod["pod_cgroup"], "sb")
+    found = threads(pod["qemu_pid"])
+    vcpu = next(t for t, (n, _) in found.items() if n.startswith("CPU "))
+    other = next(t for t, (n, _) in found.items() if not n.startswith("CPU ") and t != vcpu)
+    assert manager.move_thread(layout, "vmm", vcpu) and manager.move_thread(layout, "vcpus",
+                                                                             other)
+    assert misplaced(pod) != []
+    async with asyncio.timeout(10):
+        while misplaced(pod):
+            await asyncio.sleep(0.2)
+    await call(pod, "Kill", api.KillRequest(id="io", signal=9))
+    await call(pod, "Wait", api.WaitRequest(id="io"), api.WaitResponse)
+    await call(pod, "Delete", api.DeleteRequest(id="io"), api.DeleteResponse)
+
+
+async def test_busy_pod_is_charged_to_its_sandbox_cgroup(pod) -> None:
+    """A container burning CPU and writing files: the sandbox cgroup's CPU usage covers
+    all CPU time of QEMU's threads, its memory usage QEMU's anonymous memory."""
+    fifos = Fifos(pod["tmp"], "busy")
+    script = ("while :; do :; done & "
+              "while :; do dd if=/dev/zero of=/f bs=64k count=200 2>/dev/null; sync; done & "
+              "echo busy; wait")
+    await create(pod, "busy", workload_bundle(pod, "busy", args=["sh", "-c", script]), fifos)
+    await call(pod, "Start", api.StartRequest(id="busy"), api.StartResponse)
+    assert b"busy" in await fifos.read(fifos.out, b"busy", timeout=60)
+    await asyncio.sleep(4)
+    figures = charged(pod["qemu_pid"], pod["sandbox_cgroup"])
+    print("accounting:", figures)
+    assert figures["qemu_cpu_s"] > 2  # it really was busy
+    assert figures["cgroup_cpu_s"] >= 0.99 * figures["qemu_cpu_s"], figures
+    assert figures["cgroup_memory_mib"] >= figures["qemu_anon_mib"], figures
+    await call(pod, "Kill", api.KillRequest(id="busy", signal=9, all=True))
+    await call(pod, "Wait", api.WaitRequest(id="busy"), api.WaitResponse)
+    await call(pod, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)
+
+
+def charged(qemu_pid: int, sandbox_cgroup: str) -> dict[str, float]:
+    """QEMU's own figures first, the cgroup's after: the cgroup's only grow meanwhile."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = pathlib.Path(f"/proc/{qemu_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    qemu_cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime, all threads
+    status = dict(line.split(":", 1) for line in
+                  pathlib.Path(f"/proc/{qemu_pid}/status").read_text().splitlines())
+    rss = int(status["VmRSS"].split()[0]) / 1024
+    anon = (int(status["RssAnon"].split()[0]) + int(status["RssShmem"].split()[0])) / 1024
+    base = "/sys/fs/cgroup"
+    usage = int(pathlib.Path(f"{base}/cpuacct{sandbox_cgroup}/cpuacct.usage").read_text())
+    memory = int(pathlib.Path(f"{base}/memory{sandbox_cgroup}/memory.usage_in_bytes")
+                 .read_text())
+    return {"qemu_cpu_s": round(qemu_cpu, 2), "cgroup_cpu_s": round(usage / 1e9, 2),
+            "cpu_ratio": round(usage / 1e9 / qemu_cpu, 4) if qemu_cpu else 0.0,
+            "qemu_rss_mib": round(rss, 1), "qemu_anon_mib": round(anon, 1),
+            "cgroup_memory_mib": round(memory / (1 << 20), 1)}
+
+
+def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
+    out = subprocess.run([str(ROOT / ".venv/bin/podvmctl"), "status", "sb", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    qemu = {t["tid"]: t for t in report["cgroup"]["threads"] if t["pid"] == pod["qemu_pid"]}
+    assert set(qemu) == set(threads(pod["qemu_pid"]))
+    assert {t["role"] for t in qemu.values()} >= {"vcpu", "main"}
+    assert all(t["location"] == ("vcpus" if t["role"] == "vcpu" else "vmm")
+               for t in qemu.values())
+    assert report["differences"] == []
+    assert report["plan"]["vcpus"] == 1 and report["vm"]["online_cpus"] == 1
+    text = subprocess.run([str(ROOT / ".venv/bin/podvmctl"), "status", "sb"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "CPU 0/TCG" in text and "differences: none" in text
+    missing = subprocess.run([str(ROOT / ".venv/bin/podvmctl"), "status", "no-such-pod"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "no sandbox 'no-such-pod'" in missing.stderr
