@@ -121,6 +121,16 @@ def differences(report: dict) -> list[str]:
     return out
 
 
+def _relative(groups: dict[str, str], sandbox: str) -> str:
+    """`cpu,cpuacct: vmm; memory: .` — controllers by path, relative to the sandbox."""
+    by_path: dict[str, list[str]] = {}
+    for controller, path in sorted(groups.items()):
+        if path == sandbox or path.startswith(sandbox + "/"):
+            path = path[len(sandbox) + 1:] or "."
+        by_path.setdefault(path, []).append(controller)
+    return "; ".join(f"{','.join(cs)}: {p}" for p, cs in sorted(by_path.items()))
+
+
 def _mib(value: int | None) -> str:
     return "no limit" if value is None else f"{value // MIB} MiB"
 
@@ -151,11 +161,11 @@ def render(report: dict) -> str:
                      f"{', '.join(cg['controllers'])})")
         lines.append("  read back: " + ", ".join(
             f"{k} {v}" for k, v in lim.items() if v is not None and k != "devices"))
-        lines.append(f"  {'TID':>7}  {'NAME':<18} {'ROLE':<9} {'WHERE':<8} CGROUPS")
+        lines.append(f"  {'TID':>7}  {'NAME':<18} {'ROLE':<9} {'WHERE':<8} CGROUPS "
+                     f"(. = the sandbox cgroup)")
         for t in cg["threads"]:
-            where = sorted(set(t["cgroups"].values()))
             lines.append(f"  {t['tid']:>7}  {t['name'][:18]:<18} {t['role']:<9} "
-                         f"{t['location']:<8} {', '.join(where)}")
+                         f"{t['location']:<8} {_relative(t['cgroups'], cg['path'])}")
     diffs = report.get("differences") or []
     lines.append("differences: " + ("none" if not diffs else ""))
     lines += [f"  ! {d}" for d in diffs]

@@ -4,7 +4,8 @@ Starts a containerd of its own (own root, state and sockets; the system's contai
 not touched) with podvm registered from packaging/containerd/config-v2.toml, imports a
 locally built busybox image, runs a pod with two containers through the CRI (our
 crictl-compatible client, or the real crictl when $CRICTL names one), shows their
-output, the VM's size and where its host threads run, then removes everything.
+output, the VM's size, its plan and where its host threads run (podvmctl status), then
+removes everything.
 
 The VM runs under TCG unless PODVM_DEMO_ACCEL=kvm: nested KVM hangs guests on the
 machines this project is built on.
@@ -27,14 +28,6 @@ from .test_podvm_pods import pod_qemus
 
 def say(text: str) -> None:
     print(f"\n== {text}", flush=True)
-
-
-def threads_by_name(pid: int) -> dict[str, int]:
-    names: dict[str, int] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        name = pathlib.Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-        names[name] = names.get(name, 0) + 1
-    return names
 
 
 def main() -> int:
@@ -68,10 +61,11 @@ def main() -> int:
             print("vCPUs:", crictl.exec(web, "nproc").stdout.strip(), "| memory:",
                   crictl.exec(web, "sh", "-c", "grep MemTotal /proc/meminfo").stdout.strip())
             print(f"host kernel: {os.uname().release}")
-            say("its host threads (QEMU process, threads by name)")
-            for pid in pod_qemus(pod_id):
-                for name, count in sorted(threads_by_name(pid).items()):
-                    print(f"  {count:3d} x {name}")
+            say(f"podvmctl status {pod_id[:13]}: its plan, its cgroup, where every host "
+                f"thread runs")
+            from shim import status
+
+            print(status.render(status.collect(status.find(pod_id))))
             exec_result = crictl.exec(web, "sh", "-c", "exit 3")
             say(f"crictl exec web sh -c 'exit 3' -> exit code {exec_result.exit_code}")
             say("crictl stopp + rmp")
