@@ -27,3 +27,40 @@ def require_tool(name: str, package: str) -> str:
 
 def require_root() -> None:
     require(os.geteuid() == 0, "root (containerd, mounts and cgroups need it)")
+
+
+def _ours() -> set[tuple[int, str]]:
+    """Shim daemons and pod QEMUs running now (by pid and command line)."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "containerd-shim-podvm-v2" in cmdline or (
+                "qemu-system" in cmdline and "-name podvm-" in cmdline):
+            found.add((int(pid), cmdline))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running(tmp_path_factory):
+    """A test run that leaves a shim daemon (of this run: its bundle is under this run's
+    temporary directory) or a pod QEMU behind fails, whichever test did it."""
+    before = _ours()
+    yield
+    import time
+
+    base = str(tmp_path_factory.getbasetemp())
+
+    def left() -> list:
+        return sorted(p for p in _ours() - before
+                      if "qemu-system" in p[1] or base in p[1])
+
+    deadline = time.monotonic() + 10
+    while (found := left()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not found, f"left running after the tests: {found}"

@@ -123,13 +123,13 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", **qemu))))
     ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
            "grpc": grpc, "bundle": bundle, "events": sink.events}
-    try:
-        await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))
-    except Exception:
-        print((bundle / "log").read_text())
-        raise
-    await client.call(TASK, "Start", api.StartRequest(id="sb"), api.StartResponse)
-    try:
+    try:  # from here on, `delete` in `finally` kills the daemon whatever happened
+        try:
+            await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))
+        except Exception:
+            print((bundle / "log").read_text())
+            raise
+        await client.call(TASK, "Start", api.StartRequest(id="sb"), api.StartResponse)
         yield ctx
         await client.call(TASK, "Kill", api.KillRequest(id="sb", signal=9, all=True),
                           api.StateResponse)
