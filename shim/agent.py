@@ -111,6 +111,12 @@ class Agent:
         await self._call("ResizeTty", pb.ResizeTtyRequest(
             container_id=container_id, exec_id=exec_id, width=width, height=height), Empty)
 
+    async def online(self, wait_cpus: int = 0) -> pb.OnlineCPUMemResponse:
+        """Bring hot-plugged CPUs and memory online in the guest; waits (up to 10 s in
+        the guest) until `wait_cpus` CPUs are online."""
+        return await self._call("OnlineCPUMem", pb.OnlineCPUMemRequest(wait_cpus=wait_cpus),
+                                pb.OnlineCPUMemResponse, timeout=30)
+
     async def oom_event(self) -> str:
         return (await self._call("GetOOMEvent", pb.GetOOMEventRequest(),
                                  pb.OOMEvent)).container_id
