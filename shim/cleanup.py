@@ -45,12 +45,17 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     unmount(os.path.join(bundle, "rootfs"))
 
 
-def _is_our_shim(pid: int) -> bool:
+def cmdline(pid: int) -> bytes:
+    """The process's command line; empty when it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"containerd-shim-podvm-v2" in f.read()
+            return f.read()
     except OSError:
-        return False
+        return b""
+
+
+def _is_our_shim(pid: int) -> bool:
+    return b"containerd-shim-podvm-v2" in cmdline(pid)
 
 
 def kill_and_wait(pid: int, timeout: float = 5.0) -> None:

@@ -190,12 +190,10 @@ def cleanup_from_state(state_dir: str) -> None:
 
 
 def _is_qemu_of(pid: int, sandbox_id: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except OSError:
-        return False
-    return b"qemu" in cmdline and f"podvm-{sandbox_id}".encode() in cmdline
+    from .cleanup import cmdline
+
+    line = cmdline(pid)
+    return b"qemu" in line and f"podvm-{sandbox_id},".encode() in line  # -name podvm-<id>,
 
 
 def host() -> Host:

@@ -176,3 +176,31 @@ def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
     missing = subprocess.run([str(ROOT / ".venv/bin/podvmctl"), "status", "no-such-pod"],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "no sandbox 'no-such-pod'" in missing.stderr
+
+
+async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs) -> None:
+    """`delete` (containerd runs it when a shim is gone) finds QEMU, mounts and the
+    sandbox cgroup from sandbox.json alone."""
+    from tests.shim.shimproc import daemon_pid, run_shim
+
+    parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
+    shim = task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb")
+    ctx = await shim.__aenter__()
+    try:
+        qemu_pid = sandbox_state()["qemu_pid"]
+        os.kill(daemon_pid(NS, "sb"), 9)
+        deleted = run_shim(ctx["bundle"], "sb", "delete", ctx["grpc"], namespace=NS)
+        assert deleted.returncode == 0, deleted.stderr
+        assert not pathlib.Path(f"/proc/{qemu_pid}").exists() or \
+            " Z " in pathlib.Path(f"/proc/{qemu_pid}/stat").read_text()
+        assert not pathlib.Path(f"/run/podvm/{NS}/sb").exists()
+        for h in cgroups.detect().to_state()["hierarchies"]:
+            pod_dir = pathlib.Path(h["mountpoint"]) / parent.strip("/")
+            assert not (pod_dir / "podvm_sb").exists(), pod_dir
+            if pod_dir.is_dir():
+                pod_dir.rmdir()
+    finally:
+        try:
+            await shim.__aexit__(None, None, None)
+        except Exception:
+            pass  # the daemon is gone: the harness's own teardown cannot talk to it
