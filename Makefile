@@ -87,6 +87,7 @@ bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py
 	$(VENV)/bin/python bench/pod_bench.py
 	$(VENV)/bin/python bench/accounting_bench.py
+	$(VENV)/bin/python bench/resize_bench.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo

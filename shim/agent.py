@@ -111,11 +111,14 @@ class Agent:
         await self._call("ResizeTty", pb.ResizeTtyRequest(
             container_id=container_id, exec_id=exec_id, width=width, height=height), Empty)
 
-    async def online(self, wait_cpus: int = 0) -> pb.OnlineCPUMemResponse:
-        """Bring hot-plugged CPUs and memory online in the guest; waits (up to 10 s in
-        the guest) until `wait_cpus` CPUs are online."""
-        return await self._call("OnlineCPUMem", pb.OnlineCPUMemRequest(wait_cpus=wait_cpus),
-                                pb.OnlineCPUMemResponse, timeout=30)
+    async def online(self, cpus: int = 0, wait_memory_bytes: int = 0
+                     ) -> pb.OnlineCPUMemResponse:
+        """Bring hot-plugged memory online in the guest, and CPUs: exactly `cpus` of
+        them (0: all present); waits (up to 10 s in the guest) until that many are
+        online and MemTotal reaches `wait_memory_bytes`."""
+        return await self._call("OnlineCPUMem", pb.OnlineCPUMemRequest(
+            wait_cpus=cpus, cpus=cpus, wait_memory_bytes=wait_memory_bytes),
+            pb.OnlineCPUMemResponse, timeout=30)
 
     async def oom_event(self) -> str:
         return (await self._call("GetOOMEvent", pb.GetOOMEventRequest(),

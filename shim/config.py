@@ -41,6 +41,8 @@ class RuntimeConfig:
     sandbox_cgroup_only: bool = True
     static_sandbox_resource_mgmt: bool = False
     enable_vcpus_pinning: bool = False
+    sizing: str = "sum"
+    """"sum": the VM gets the defaults plus the workload; "max": the larger of the two."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ MEASURED_OVERHEAD_MIB = {"tcg": 256, "kvm": 192}
 # section in the file -> attribute of Config
 _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
 _ACCELS = ("kvm", "tcg")
+_SIZINGS = ("sum", "max")
 
 
 def find(options_config_path: str = "") -> str | None:
@@ -157,6 +160,9 @@ def _check(config: Config, source: str) -> None:
                                    and q.default_maxmemory < q.default_memory):
         raise ConfigError(f"{where} default_maxmemory must be 0 (host memory) or at least "
                           f"default_memory ({q.default_memory}), got {q.default_maxmemory}")
+    if config.runtime.sizing not in _SIZINGS:
+        raise ConfigError(f"{source}: [runtime] sizing must be one of {', '.join(_SIZINGS)}, "
+                          f"got {config.runtime.sizing!r}")
     if q.memory_overhead < 0:
         raise ConfigError(f"{where} memory_overhead is in MiB, 0 for podvm's measured "
                           f"figure, got {q.memory_overhead}")

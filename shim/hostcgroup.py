@@ -157,3 +157,39 @@ def destroy_from_state(state: dict) -> None:
     manager.destroy(SandboxLayout.from_state(state["layout"]))
     if state.get("overhead"):
         manager.destroy(SandboxLayout.from_state(state["overhead"]))
+
+
+UNLIMITED_V1 = 1 << 62
+
+
+def pod_cgroup_limits(cgroups_path: str) -> tuple[int, float]:
+    """(memory MiB, CPUs) kubelet allows the pod cgroup the sandbox goes under; 0 where
+    it sets no limit or the cgroup does not exist (yet)."""
+    if not cgroups_path:
+        return 0, 0.0
+    pod = layout_for(cgroups_path, "probe").pod_cgroup
+    manager = cgroups.detect()
+    memory, quota, period = "", "", ""
+    if isinstance(manager, cgroups.CgroupV2Manager):
+        directory = manager.hierarchy.directory(pod)
+        memory = _read(os.path.join(directory, "memory.max"))
+        quota, _, period = _read(os.path.join(directory, "cpu.max")).partition(" ")
+    else:
+        for h in manager.hierarchies:
+            if "memory" in h.controllers:
+                memory = _read(os.path.join(h.directory(pod), "memory.limit_in_bytes"))
+            if "cpu" in h.controllers:
+                quota = _read(os.path.join(h.directory(pod), "cpu.cfs_quota_us"))
+                period = _read(os.path.join(h.directory(pod), "cpu.cfs_period_us"))
+    memory_mib = int(memory) >> 20 if memory.isdigit() and int(memory) < UNLIMITED_V1 else 0
+    cpus = int(quota) / int(period) if quota.isdigit() and period.isdigit() and \
+        int(period) > 0 else 0.0
+    return memory_mib, cpus
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

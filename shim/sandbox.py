@@ -17,9 +17,9 @@ from . import guestspec, mounts, paths
 from .agent import Agent
 from .config import Config
 from .hostcgroup import HostCgroup, destroy_from_state, layout_for
-from .hypervisor import VM, VMSpec
+from .hypervisor import VM, HypervisorError, VMSpec
 from .mounts import Mount
-from .resources import Host, SandboxPlan
+from .resources import Host, PlanDelta, SandboxPlan
 
 log = logging.getLogger("podvm.sandbox")
 
@@ -94,6 +94,62 @@ class Sandbox:
                              "memory_total_mib": memory_total_bytes >> 20,
                              "at": time.time()}
         self._persist()
+
+    async def resize(self, delta: PlanDelta) -> None:
+        """Carry out one step of the plan. A grow raises the cgroup limits first (new
+        vCPUs have room to run), hot-plugs the vCPUs not already present and the memory,
+        places the new threads and has the guest bring exactly the plan's vCPUs online;
+        a shrink takes vCPUs offline in the guest (they stay plugged, their threads
+        asleep: see QemuVM.add_vcpus), then lowers the limits. A failure puts back the
+        limits and online vCPUs in force before; hot-plugged memory cannot be taken back
+        and is recorded as the VM's."""
+        assert self.vm is not None and self.agent is not None
+        old = self.plan
+        for note in delta.notes:
+            log.info("sandbox %s: %s", self.id, note)
+        added_mib = 0
+        try:
+            if delta.grows:
+                self.cgroup.apply(delta.plan)
+            present, _ = await self.vm.size()
+            if delta.plan.vcpus > present:
+                await self.vm.add_vcpus(delta.plan.vcpus - present)
+                await self.cgroup.place_new(self.vm)
+            if delta.add_memory_mib:
+                await self.vm.add_memory(delta.add_memory_mib)
+                added_mib = delta.add_memory_mib
+            if delta.add_vcpus or delta.remove_vcpus or added_mib:
+                await self._online(delta.plan.vcpus, added_mib)
+            if not delta.grows:
+                self.cgroup.apply(delta.plan)
+        except BaseException as exc:
+            log.error("sandbox %s: resize failed (%s); back to the plan in force", self.id, exc)
+            kept = dataclasses.replace(
+                old, memory_mib=old.memory_mib + added_mib,
+                cgroup_memory_limit=old.cgroup_memory_limit + (added_mib << 20)
+                if old.cgroup_memory_limit > 0 else old.cgroup_memory_limit)
+            try:
+                self.cgroup.apply(kept)
+                await self._online(kept.vcpus, 0)
+            except Exception as undo:
+                log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
+            self.record_plan(kept)
+            raise
+        self.record_plan(delta.plan)
+
+    async def _online(self, vcpus: int, added_mib: int) -> None:
+        """Exactly `vcpus` online in the guest, and `added_mib` more memory."""
+        assert self.agent is not None
+        before = self._state["vm"].get("memory_total_mib", 0) << 20
+        info = await self.agent.online(
+            cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
+        self.record_vm(info.online_cpus, info.memory_total_bytes)
+        if info.online_cpus != vcpus:
+            raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
+                                  f"{vcpus}")
+        if added_mib and info.memory_total_bytes < before + (added_mib << 20):
+            raise HypervisorError(f"the guest onlined {(info.memory_total_bytes - before) >> 20}"
+                                  f" of {added_mib} MiB hot-plugged")
 
     def record_plan(self, plan: SandboxPlan) -> None:
         self.plan = plan

@@ -2,6 +2,7 @@
 (a guest kernel hangs under nested KVM on our machines)."""
 from __future__ import annotations
 
+import json
 import pathlib
 
 from shim.config import Config, QemuConfig, RuntimeConfig
@@ -27,8 +28,10 @@ def vm_config(**qemu: object) -> Config:
     return Config(qemu=QemuConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
 
 
-def write_test_config(path: pathlib.Path, **qemu: object) -> pathlib.Path:
-    """The same configuration as a TOML file, for a shim started by containerd."""
+def write_test_config(path: pathlib.Path, runtime: dict | None = None,
+                      **qemu: object) -> pathlib.Path:
+    """The same configuration as a TOML file, for a shim started by containerd;
+    `runtime`: keys of its [runtime] section."""
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
     for key in ("kernel", "initrd", "accel"):
@@ -36,5 +39,8 @@ def write_test_config(path: pathlib.Path, **qemu: object) -> pathlib.Path:
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
                 "boot_timeout"):
         lines.append(f"{key} = {getattr(q, key)}")
+    lines.append("[runtime]")
+    for key, value in (runtime or {}).items():
+        lines.append(f"{key} = {json.dumps(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path

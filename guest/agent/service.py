@@ -199,9 +199,11 @@ class AgentService:
                            ctx: Context) -> pb.OnlineCPUMemResponse:
         deadline = time.monotonic() + 10
         while True:
-            resources.online_hotplugged()
+            resources.online_hotplugged(req.cpus)
             cpus, memory = resources.online()
-            if cpus >= req.wait_cpus or time.monotonic() > deadline:
+            done = cpus >= req.wait_cpus and memory >= req.wait_memory_bytes and (
+                not req.cpus or cpus == req.cpus)
+            if done or time.monotonic() > deadline:
                 return pb.OnlineCPUMemResponse(online_cpus=cpus, memory_total_bytes=memory)
             await asyncio.sleep(0.05)
 

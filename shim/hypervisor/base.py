@@ -86,3 +86,15 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def wait(self) -> int:
         """Block until the VMM process exits; its exit status."""
+
+    @abc.abstractmethod
+    async def size(self) -> tuple[int, int]:
+        """vCPUs present and memory in MiB, as the VMM reports them now."""
+
+    @abc.abstractmethod
+    async def add_vcpus(self, count: int) -> list[int]:
+        """Hot-plug `count` vCPUs; the host thread ids of the new ones."""
+
+    @abc.abstractmethod
+    async def add_memory(self, mib: int) -> int:
+        """Hot-plug `mib` MiB of memory (never taken back); MiB added."""

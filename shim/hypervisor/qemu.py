@@ -18,6 +18,8 @@ log = logging.getLogger("podvm.qemu")
 AGENT_PORT = "podvm.agent"
 SHARE_TAG = "podvm"
 QBOOT = "/usr/share/qemu/qboot.rom"
+MEMORY_BLOCK_MIB = 128
+"""Linux onlines hot-plugged memory in blocks of 128 MiB on x86-64: plug whole blocks."""
 # Each skips probing a microVM does not need; measured under TCG in design.md.
 KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i8042.nopnp "
                  "i8042.dumbkbd tsc=reliable no_timer_check rcupdate.rcu_expedited=1 "
@@ -195,6 +197,67 @@ class QemuVM(VM):
             raise HypervisorError("QEMU is gone") from None
         roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
         return roles
+
+    def _require_qmp(self) -> QMPClient:
+        if self._qmp is None:
+            raise HypervisorError(f"VM of sandbox {self.spec.sandbox_id} is not running")
+        return self._qmp
+
+    async def size(self) -> tuple[int, int]:
+        """vCPUs present and memory (MiB, boot + plugged) as QEMU reports them now."""
+        qmp = self._require_qmp()
+        cpus = await qmp.execute("query-cpus-fast")
+        memory = await qmp.execute("query-memory-size-summary")
+        total = memory["base-memory"] + memory.get("plugged-memory", 0)  # type: ignore[index]
+        return len(cpus), total >> 20  # type: ignore[arg-type]
+
+    async def add_vcpus(self, count: int) -> list[int]:
+        """Hot-plug `count` vCPUs into free slots (ACPI CPU hot-plug; the guest onlines
+        them); their host thread ids. There is no unplug: after a device_del of a vCPU,
+        QEMU 7.2 under TCG crashes (double free) on its next device_add, so a VM shrinks
+        by taking vCPUs offline in the guest instead (their threads then sleep)."""
+        qmp = self._require_qmp()
+        slots = await qmp.execute("query-hotpluggable-cpus")
+        free = sorted((s for s in slots if "qom-path" not in s),  # type: ignore[union-attr]
+                      key=lambda s: tuple(sorted(s["props"].items())))
+        if count > len(free):
+            raise HypervisorError(f"cannot add {count} vCPUs: only {len(free)} of "
+                                  f"{len(slots)} slots are free (maxcpus)")  # type: ignore[arg-type]
+        before = {c["thread-id"] for c in await qmp.execute("query-cpus-fast")}  # type: ignore[union-attr]
+        try:
+            for slot in free[:count]:
+                props = dict(slot["props"])
+                device_id = "vcpu-" + "-".join(str(props[k]) for k in sorted(props))
+                await qmp.execute("device_add", {"driver": slot["type"], "id": device_id,
+                                                 **props})
+        except Exception as exc:
+            raise HypervisorError(f"vCPU hot-plug failed: {exc}") from None
+        after = await qmp.execute("query-cpus-fast")
+        return sorted(c["thread-id"] for c in after  # type: ignore[union-attr]
+                      if c["thread-id"] not in before)
+
+    async def add_memory(self, mib: int) -> int:
+        """Hot-plug `mib` MiB as one pc-dimm (the guest onlines its blocks); MiB added.
+        Memory is never taken back: a guest cannot be trusted to give it up."""
+        if mib <= 0 or mib % MEMORY_BLOCK_MIB:
+            raise HypervisorError(f"memory hot-plug takes multiples of {MEMORY_BLOCK_MIB} "
+                                  f"MiB, not {mib}")
+        qmp = self._require_qmp()
+        _, total = await self.size()
+        if total + mib > self.spec.max_memory_mib:
+            raise HypervisorError(f"cannot add {mib} MiB: the VM has {total} MiB and may "
+                                  f"grow to {self.spec.max_memory_mib} MiB (maxmem)")
+        dimms = [d for d in await qmp.execute("query-memory-devices")]  # type: ignore[union-attr]
+        name = f"mem{len(dimms)}"
+        await qmp.execute("object-add", {"qom-type": "memory-backend-ram", "id": name,
+                                         "size": mib << 20})
+        try:
+            await qmp.execute("device_add", {"driver": "pc-dimm", "id": f"dimm{len(dimms)}",
+                                             "memdev": name})
+        except Exception as exc:
+            await qmp.execute("object-del", {"id": name})
+            raise HypervisorError(f"memory hot-plug of {mib} MiB failed: {exc}") from None
+        return mib
 
     async def stop(self, timeout: float = 10) -> None:
         proc = self._proc

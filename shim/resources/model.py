@@ -71,6 +71,11 @@ class SandboxRequest:
     sizing: str = "sum"
     memory_overhead_mib: int = 0
     """Host memory QEMU itself takes beyond guest RAM (measured)."""
+    pod_cgroup_memory_mib: int = 0
+    """The memory limit kubelet gave the pod cgroup (its containers' limits plus the
+    RuntimeClass overhead); 0 = none."""
+    pod_cgroup_cpus: float = 0.0
+    """The pod cgroup's CPU quota in CPUs; 0 = none."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,13 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
     if memory + req.memory_overhead_mib > host.memory_mib:
         raise NoFit(f"the pod needs {memory} MiB + {req.memory_overhead_mib} MiB QEMU "
                         f"overhead but the host has {host.memory_mib} MiB")
+    if req.pod_cgroup_memory_mib and memory + req.memory_overhead_mib > \
+            req.pod_cgroup_memory_mib:
+        raise NoFit(f"the pod needs {memory} MiB of VM memory + {req.memory_overhead_mib} MiB "
+                    f"QEMU overhead = {memory + req.memory_overhead_mib} MiB, but its pod "
+                    f"cgroup allows {req.pod_cgroup_memory_mib} MiB: declare the overhead in "
+                    f"the RuntimeClass (overhead.podFixed.memory >= "
+                    f"{memory - workload_mib + req.memory_overhead_mib}Mi)")
     period = pod.cpu_period if pod.cpu_quota > 0 and pod.cpu_period > 0 else DEFAULT_PERIOD_US
     overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
     if pod.quota_cpus:
@@ -137,6 +149,11 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                    f"{overhead_cpu} mCPU overhead")
     else:
         quota = -1
+    if req.pod_cgroup_cpus and quota > 0 and quota / period > req.pod_cgroup_cpus + 1e-9:
+        raise NoFit(f"the pod's sandbox needs a CPU quota of {quota / period:g} CPUs "
+                    f"(workload + {overhead_cpu}m for the guest), but its pod cgroup allows "
+                    f"{req.pod_cgroup_cpus:g}: declare the overhead in the RuntimeClass "
+                    f"(overhead.podFixed.cpu >= {overhead_cpu}m)")
     shares = max(MIN_SHARES, pod.cpu_shares + overhead_cpu * 1024 // 1000) \
         if pod.cpu_shares else 1024
     overhead_memory = memory - workload_mib + req.memory_overhead_mib
@@ -158,7 +175,8 @@ def request_from_config(config: Config, pod: ContainerResources) -> SandboxReque
     q = config.qemu
     return SandboxRequest(pod=pod, default_vcpus=q.default_vcpus,
                           default_memory_mib=q.default_memory, max_vcpus=q.default_maxvcpus,
-                          max_memory_mib=q.default_maxmemory)
+                          max_memory_mib=q.default_maxmemory, sizing=config.runtime.sizing,
+                          memory_overhead_mib=q.vmm_overhead_mib)
 
 
 def from_linux_resources(resources: dict) -> ContainerResources:

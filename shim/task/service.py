@@ -3,7 +3,6 @@ process, check its state, act through the pod's sandbox, publish the event."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -20,14 +19,15 @@ from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
 from ..pb.containerd.types.task_pb2 import ProcessInfo
-from ..resources import NoFit, PlanError, SandboxPlan, plan_sandbox
-from ..resources import annotations as annotations_model
-from ..resources.model import from_linux_resources, request_from_config
+from ..resources import (ContainerResources, NoFit, PlanError, SandboxPlan,
+                         StaticSizeExceeded)
+from ..resources.model import from_linux_resources
 from ..stdio import ProcessIO, Stdio
 from ..ttrpc import Code, Context, TtrpcError
 from .process import Container, Process, State
 
 if TYPE_CHECKING:
+    from ..podplan import PodPlanner
     from ..sandbox import Sandbox
 
 log = logging.getLogger("podvm.task")
@@ -47,6 +47,8 @@ class TaskService:
         self._publisher = publisher
         self._shutdown = shutdown
         self._background: set[asyncio.Task] = set()
+        self._planner: PodPlanner | None = None
+        self._resizing = asyncio.Lock()
 
     # --- lookups -------------------------------------------------------------------
 
@@ -96,8 +98,14 @@ class TaskService:
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
                              f"this shim does not run")
         if boots_vm:
-            await self.boot_sandbox(req.id, cfg, _plan(cfg, spec),
-                                    (spec.get("linux") or {}).get("cgroupsPath") or "")
+            cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
+            planner = _planner(cfg, spec, cgroups_path)
+            planner.boot = _planned(planner.plan)
+            await self.boot_sandbox(req.id, cfg, planner.boot, cgroups_path)
+            self._planner = planner
+        else:
+            await self._resize(req.id, from_linux_resources(
+                (spec.get("linux") or {}).get("resources") or {}))
         assert self.sandbox is not None
         guest = guestspec.rewrite(spec, req.id)
         for what in guest.dropped:
@@ -170,9 +178,51 @@ class TaskService:
             self.sandbox.unshare(container_id)
         except OSError as exc:
             log.error("container %s: cleanup after a failed create: %s", container_id, exc)
+        if not boots_vm:
+            await self._resize(container_id, None, quiet=True)
         if boots_vm:
             sandbox, self.sandbox = self.sandbox, None
             await sandbox.shutdown()
+
+    async def _resize(self, container_id: str, resources: ContainerResources | None,
+                      quiet: bool = False) -> None:
+        """Re-plan the pod with `container_id` at `resources` (None: gone) and apply the
+        step: host cgroup limits, vCPUs and memory hot-plugged, the guest told. All or
+        nothing: on failure the plan in force stays. `quiet`: failures are logged only
+        (a shrink during cleanup)."""
+        sandbox, planner = self.sandbox, self._planner
+        if sandbox is None or planner is None:
+            return
+        async with self._resizing:
+            containers = dict(planner.containers)
+            base = None
+            if container_id == self._sandbox_container:
+                base = resources or ContainerResources()  # ctr run: a container is its pod
+            elif resources is None:
+                containers.pop(container_id, None)
+            else:
+                containers[container_id] = resources
+            import cgroups
+
+            try:
+                delta = _planned(lambda: planner.update(sandbox.plan, containers, base))
+                if delta.plan != sandbox.plan:
+                    try:
+                        await sandbox.resize(delta)
+                    except cgroups.InvalidLimits as exc:
+                        raise TtrpcError(Code.INVALID_ARGUMENT,
+                                         f"podvm: sandbox cgroup: {exc}") from None
+                    except (HypervisorError, cgroups.CgroupError) as exc:
+                        raise TtrpcError(Code.FAILED_PRECONDITION,
+                                         f"podvm: resizing sandbox {sandbox.id}: {exc}"
+                                         ) from None
+            except TtrpcError as exc:
+                if not quiet:
+                    raise
+                log.warning("sandbox %s: re-plan without %s: %s", sandbox.id, container_id,
+                            exc.message)
+                return
+            planner.commit(containers, base)
 
     async def _watch_vm(self, sandbox: Sandbox) -> None:
         assert sandbox.vm is not None
@@ -304,6 +354,8 @@ class TaskService:
         sandbox.unshare(container.id)
         if container.id == self._sandbox_container:
             await self._stop_sandbox()
+        else:
+            await self._resize(container.id, None, quiet=True)
 
     async def _stop_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
@@ -390,7 +442,24 @@ class TaskService:
         if not isinstance(resources, dict):
             raise TtrpcError(Code.INVALID_ARGUMENT,
                              f"update of {req.id}: resources must be a LinuxResources object")
-        await self._agent().update(req.id, json.dumps(guestspec.resources(resources)).encode())
+        try:
+            wanted = from_linux_resources(resources)
+        except (TypeError, ValueError) as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"update of {req.id}: bad resources: {exc}") from None
+        planner = self._planner
+        before = None
+        if planner is not None:
+            before = planner.sandbox if req.id == self._sandbox_container else \
+                planner.containers.get(req.id, ContainerResources())
+        await self._resize(req.id, wanted)  # the host first: the guest gets room to grow
+        try:
+            await self._agent().update(req.id,
+                                       json.dumps(guestspec.resources(resources)).encode())
+        except BaseException:
+            if before is not None:
+                await self._resize(req.id, before, quiet=True)
+            raise
         return Empty()
 
     async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:
@@ -428,24 +497,24 @@ def _read_bundle(bundle: str) -> dict:
     return spec
 
 
-def _plan(cfg: config.Config, spec: dict) -> SandboxPlan:
-    """The VM's plan from the pod's totals (CRI's sandbox annotations) or, for a container
-    that is its own pod (ctr run), from its own resources."""
-    annotations = spec.get("annotations") or {}
-    try:
-        if any(k.startswith(annotations_model.CRI) for k in annotations):
-            pod = annotations_model.pod_resources(annotations)
-        else:
-            pod = from_linux_resources((spec.get("linux") or {}).get("resources") or {})
-        req = annotations_model.apply_kata_overrides(
-            request_from_config(cfg, pod), annotations, cfg.qemu.enable_annotations,
-            cfg.source)
-        req = dataclasses.replace(req, memory_overhead_mib=cfg.qemu.vmm_overhead_mib)
-        from ..sandbox import host
+def _planner(cfg: config.Config, spec: dict, cgroups_path: str) -> PodPlanner:
+    """The pod's planning inputs from the sandbox container's spec and its pod cgroup."""
+    from ..hostcgroup import pod_cgroup_limits
+    from ..podplan import PodPlanner
+    from ..sandbox import host
 
-        return plan_sandbox(req, host())
+    memory_mib, cpus = pod_cgroup_limits(cgroups_path)
+    return _planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
+
+
+def _planned(compute):
+    """Run a planning step; its errors as the status codes they mean."""
+    try:
+        return compute()
     except NoFit as exc:
         raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
+    except StaticSizeExceeded as exc:
+        raise TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}") from None
     except (PlanError, ValueError, TypeError) as exc:
         raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: {exc}") from None
 

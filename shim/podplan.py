@@ -1,0 +1,81 @@
+"""The inputs of one pod's plan, kept for the pod's life: the configuration, the sandbox's
+annotations (CRI's pod totals, Kata's sizing annotations), what the pod cgroup allows,
+and each container's resources. Every change (a container created, updated or removed)
+re-plans from all of them with the pure model; the service then applies the delta."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from .config import Config
+from .resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,
+                        StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)
+from .resources import annotations as annotations_model
+from .resources.model import from_linux_resources, request_from_config
+
+
+class PodPlanner:
+    def __init__(self, config: Config, annotations: Mapping[str, str],
+                 sandbox: ContainerResources, host: Host, pod_cgroup_memory_mib: int = 0,
+                 pod_cgroup_cpus: float = 0.0) -> None:
+        self.config = config
+        self.annotations = dict(annotations)
+        self.sandbox = sandbox
+        """What the sandbox said for the whole pod (CRI's annotations), or for a container
+        that is its own pod (ctr run), its own resources."""
+        self.containers: dict[str, ContainerResources] = {}
+        self.host = host
+        self.pod_cgroup_memory_mib = pod_cgroup_memory_mib
+        self.pod_cgroup_cpus = pod_cgroup_cpus
+        self.boot: SandboxPlan | None = None
+
+    @classmethod
+    def for_sandbox(cls, config: Config, spec: dict, host: Host, pod_cgroup_memory_mib: int = 0,
+                    pod_cgroup_cpus: float = 0.0) -> PodPlanner:
+        """From the sandbox container's OCI spec. PlanError for a bad annotation."""
+        annotations = spec.get("annotations") or {}
+        if any(k.startswith(annotations_model.CRI) for k in annotations):
+            pod = annotations_model.pod_resources(annotations)
+        else:
+            pod = resources_of(spec)
+        return cls(config, annotations, pod, host, pod_cgroup_memory_mib, pod_cgroup_cpus)
+
+    def plan(self, containers: Mapping[str, ContainerResources] | None = None,
+             sandbox: ContainerResources | None = None) -> SandboxPlan:
+        """The plan for these containers (default: the current ones). NoFit / PlanError."""
+        pod = pod_totals(self.sandbox if sandbox is None else sandbox,
+                         self.containers if containers is None else containers)
+        req = request_from_config(self.config, pod)
+        req = annotations_model.apply_kata_overrides(
+            req, self.annotations, self.config.qemu.enable_annotations, self.config.source)
+        req = replace(req, pod_cgroup_memory_mib=self.pod_cgroup_memory_mib,
+                      pod_cgroup_cpus=self.pod_cgroup_cpus)
+        return plan_sandbox(req, self.host)
+
+    def update(self, current: SandboxPlan, containers: Mapping[str, ContainerResources],
+               sandbox: ContainerResources | None = None) -> PlanDelta:
+        """The step from the plan in force to the plan for `containers`. NoFit, PlanError,
+        StaticSizeExceeded."""
+        assert self.boot is not None, "the pod has not booted"
+        static = self.config.runtime.static_sandbox_resource_mgmt
+        try:
+            wanted = self.plan(containers, sandbox)
+        except NoFit as exc:
+            if not static:
+                raise
+            raise StaticSizeExceeded(
+                f"{exc}; and static_sandbox_resource_mgmt sizes the VM once at boot "
+                f"({self.boot.vcpus} vCPUs, {self.boot.memory_mib} MiB): no CPU or memory "
+                f"can be added") from None
+        return plan_update(current, self.boot, wanted, static=static)
+
+    def commit(self, containers: Mapping[str, ContainerResources],
+               sandbox: ContainerResources | None = None) -> None:
+        """The inputs whose plan is now in force."""
+        self.containers = dict(containers)
+        if sandbox is not None:
+            self.sandbox = sandbox
+
+
+def resources_of(spec: dict) -> ContainerResources:
+    return from_linux_resources((spec.get("linux") or {}).get("resources") or {})

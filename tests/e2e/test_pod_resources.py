@@ -1,0 +1,170 @@
+"""One plan for the VM, the sandbox cgroup and Kubernetes' view, through containerd's CRI
+(resources.md sections 2 and 3): a pod's limits size its VM at boot, `crictl update`
+grows the running VM in dynamic mode and is refused in static mode, a pod that cannot
+fit is refused at runp and leaves nothing. Real containerd, real QEMU (TCG)."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from shim import paths, status
+from tests.conftest import require_root, require_tool
+from tests.vmconfig import guest_image, write_test_config
+
+from .containerd import CRI_NAMESPACE, Containerd, shims_of
+from .cri import Crictl, write_config
+from .test_crictl import container_config, pod_config, wait_for
+from .test_podvm_pods import podvm_leftovers, qemus
+
+MIB = 1 << 20
+
+
+def start_containerd(workdir: pathlib.Path, image_cache, runtime: dict,
+                     **qemu) -> Containerd:
+    require_root()
+    for tool in ("containerd", "ctr"):
+        require_tool(tool, "containerd")
+    guest_image()
+    config = write_test_config(workdir / "podvm.toml", runtime=runtime, **qemu)
+    c = Containerd(workdir / "containerd", namespace="podvm-res-test", cri=True,
+                   podvm_config=config)
+    c.start()
+    try:
+        c.import_cri_images(image_cache)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def static_ctd(tmp_path_factory, image_cache):
+    c = start_containerd(tmp_path_factory.mktemp("podvm-static"), image_cache,
+                         {"static_sandbox_resource_mgmt": True}, default_maxvcpus=4,
+                         default_maxmemory=2048)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def dynamic_ctd(tmp_path_factory, image_cache):
+    c = start_containerd(tmp_path_factory.mktemp("podvm-dynamic"), image_cache, {},
+                         default_maxvcpus=2, default_maxmemory=1024)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def resources(quota: int = 0, memory: int = 0) -> dict:
+    return {"cpu_period": 100_000 if quota else 0, "cpu_quota": quota,
+            "memory_limit_in_bytes": memory}
+
+
+def run_pod(ctd: Containerd, tmp: pathlib.Path, name: str, pod_resources: dict | None = None,
+            container_resources: dict | None = None) -> tuple[Crictl, str, str, pathlib.Path]:
+    crictl = Crictl(ctd.cri_endpoint, timeout="120s")
+    pod = pod_config(ctd, tmp, name)
+    if pod_resources:
+        pod["linux"]["resources"] = pod_resources
+    pod_file = write_config(tmp, f"{name}-pod.json", pod)
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    container = container_config("c", "sleep 1000")
+    if container_resources:
+        container["linux"] = {"resources": container_resources}
+    cid = crictl.create(pod_id, write_config(tmp, f"{name}-c.json", container), pod_file)
+    crictl.start(cid)
+    return crictl, pod_id, cid, pod_file
+
+
+def guest_size(crictl: Crictl, cid: str) -> tuple[int, int]:
+    """(online CPUs, MemTotal MiB) inside the guest."""
+    nproc = crictl.exec(cid, "nproc")
+    mem = crictl.exec(cid, "sh", "-c", "grep MemTotal /proc/meminfo")
+    assert nproc.exit_code == 0 and mem.exit_code == 0, (nproc, mem)
+    return int(nproc.stdout.strip()), int(mem.stdout.split()[1]) // 1024
+
+
+def remove_pod(ctd: Containerd, crictl: Crictl, pod_id: str) -> None:
+    crictl.run("stopp", pod_id)
+    crictl.run("rmp", pod_id)
+    assert podvm_leftovers(ctd, pod_id) == []
+
+
+def test_static_pod_is_sized_at_boot_and_refuses_growth(static_ctd, tmp_path) -> None:
+    """2.5 CPU and 512 MiB with defaults 1 vCPU / 256 MiB: 4 vCPUs and 768 MiB."""
+    crictl, pod_id, cid, _ = run_pod(static_ctd, tmp_path, "static",
+                                     resources(250_000, 512 * MIB),
+                                     resources(250_000, 512 * MIB))
+    try:
+        cpus, mem = guest_size(crictl, cid)
+        assert cpus == 4
+        assert 768 - 200 < mem <= 768  # MemTotal: the VM's memory less the kernel's own
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert (report["plan"]["vcpus"], report["plan"]["memory_mib"]) == (4, 768)
+        assert report["differences"] == []
+        grow = crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "400000", cid,
+                          check=False)
+        assert grow.returncode != 0
+        assert "static_sandbox_resource_mgmt" in grow.stderr and "5 vCPUs" in grow.stderr
+        grow = crictl.run("update", "--memory", str(1024 * MIB), cid, check=False)
+        assert grow.returncode != 0 and "1280 MiB" in grow.stderr
+        assert guest_size(crictl, cid) == (cpus, mem)  # nothing changed
+        # What fits within the boot size is applied: the sandbox cgroup follows.
+        crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "150000", cid)
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert report["plan"]["vcpus"] == 4
+        assert report["cgroup"]["limits"]["cpu_quota_us"] == 350_000  # 2.5 + 1 guest vCPU
+        assert report["differences"] == []
+    finally:
+        remove_pod(static_ctd, crictl, pod_id)
+
+
+def test_dynamic_update_grows_the_running_vm(dynamic_ctd, tmp_path) -> None:
+    crictl, pod_id, cid, pod_file = run_pod(dynamic_ctd, tmp_path, "dynamic")
+    try:
+        cpus, mem = guest_size(crictl, cid)
+        assert cpus == 1
+        crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "100000",
+                   "--memory", str(256 * MIB), cid)
+        grown = wait_for("the guest to see a second vCPU and more memory",
+                         lambda: (g := guest_size(crictl, cid))[0] == 2 and g, timeout=30)
+        assert grown[1] >= mem + 256
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert (report["plan"]["vcpus"], report["plan"]["memory_mib"]) == (2, 512)
+        limits = report["cgroup"]["limits"]
+        assert limits["cpu_quota_us"] == 200_000  # 1 CPU of workload + the guest's own
+        assert limits["memory_limit_bytes"] == report["plan"]["cgroup_memory_limit"]
+        assert report["differences"] == []
+        # The container goes: its vCPU is unplugged, its memory stays (never taken back).
+        crictl.run("stop", "-t", "0", cid)
+        crictl.run("rm", cid)
+        report = wait_for("the hot-added vCPU to go", lambda: (r := status.collect(
+            status.find(pod_id, CRI_NAMESPACE)))["plan"]["vcpus"] == 1 and r)
+        assert report["vm"]["online_cpus"] == 1 and report["plan"]["memory_mib"] == 512
+    finally:
+        remove_pod(dynamic_ctd, crictl, pod_id)
+
+
+def test_pod_that_cannot_fit_is_refused_at_runp_and_leaves_nothing(dynamic_ctd,
+                                                                  tmp_path) -> None:
+    crictl = Crictl(dynamic_ctd.cri_endpoint, timeout="120s")
+    before = (len(shims_of(dynamic_ctd.address)), len(qemus()),
+              sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
+              if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
+    pod = pod_config(dynamic_ctd, tmp_path, "huge")
+    pod["linux"]["resources"] = resources(100_000, 64 * 1024 * MIB)
+    refused = crictl.run("runp", "--runtime", "podvm",
+                         str(write_config(tmp_path, "huge.json", pod)), check=False)
+    assert refused.returncode != 0
+    assert "MiB of VM memory" in refused.stderr and "1024 MiB" in refused.stderr
+    after = (len(shims_of(dynamic_ctd.address)), len(qemus()),
+             sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
+             if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
+    wait_for("the refused pod's shim to go", lambda: (
+        len(shims_of(dynamic_ctd.address)), len(qemus())) == before[:2])
+    assert after[2] == before[2]

@@ -1,0 +1,42 @@
+"""CPU and memory hot-plug on a real QEMU (TCG) with the real guest: QEMU's view and the
+guest's agree after each step; a shrink takes vCPUs offline in the guest."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shim.agent import Agent
+from shim.hypervisor import HypervisorError
+from shim.hypervisor.qemu import QemuVM
+
+from .test_qemu import spec
+
+
+async def test_vcpu_and_memory_hot_plug_and_vcpus_offline(tmp_path) -> None:
+    vm = QemuVM(dataclasses.replace(spec(tmp_path, boot_timeout=90), vcpus=1, max_vcpus=2))
+    await vm.launch()
+    try:
+        agent = Agent.of_vm(vm)
+        info = await agent.ping(timeout=60)
+        assert (info.online_cpus, await vm.size()) == (1, (1, 256))
+        threads = await vm.add_vcpus(1)
+        assert len(threads) == 1 and threads[0] in (await vm.threads())["vcpu"]
+        assert (await agent.online(cpus=2)).online_cpus == 2
+        with pytest.raises(HypervisorError, match="only 0 of 2 slots are free"):
+            await vm.add_vcpus(1)
+        assert await vm.add_memory(256) == 256
+        assert await vm.size() == (2, 512)
+        grown = await agent.online(cpus=2,
+                                   wait_memory_bytes=info.memory_total_bytes + (256 << 20))
+        assert grown.memory_total_bytes == info.memory_total_bytes + (256 << 20)
+        with pytest.raises(HypervisorError, match="multiples of 128 MiB"):
+            await vm.add_memory(100)
+        with pytest.raises(HypervisorError, match="may grow to 1024 MiB"):
+            await vm.add_memory(640)
+        # Shrinking takes the vCPU offline in the guest; QEMU keeps it plugged.
+        assert (await agent.online(cpus=1)).online_cpus == 1 and (await vm.size())[0] == 2
+        assert (await agent.online(cpus=2)).online_cpus == 2  # and back
+        await agent.close()
+    finally:
+        await vm.stop()
