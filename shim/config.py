@@ -43,6 +43,12 @@ class RuntimeConfig:
     enable_vcpus_pinning: bool = False
     sizing: str = "sum"
     """"sum": the VM gets the defaults plus the workload; "max": the larger of the two."""
+    cpu_reservation: str = "shares"
+    """"shares": pods share the node's CPUs by weight and quota (with the cpusets kubelet
+    gives); "exclusive": a pod with an integral CPU request gets that many host CPUs for
+    itself, the others share what is left."""
+    reserved_cpus: str = ""
+    """Host CPUs never given to a pod in exclusive mode (kubelet's reserved-cpus)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ MEASURED_OVERHEAD_MIB = {"tcg": 256, "kvm": 192}
 _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
 _ACCELS = ("kvm", "tcg")
 _SIZINGS = ("sum", "max")
+_RESERVATIONS = ("shares", "exclusive")
 
 
 def find(options_config_path: str = "") -> str | None:
@@ -163,6 +170,16 @@ def _check(config: Config, source: str) -> None:
     if config.runtime.sizing not in _SIZINGS:
         raise ConfigError(f"{source}: [runtime] sizing must be one of {', '.join(_SIZINGS)}, "
                           f"got {config.runtime.sizing!r}")
+    if config.runtime.cpu_reservation not in _RESERVATIONS:
+        raise ConfigError(f"{source}: [runtime] cpu_reservation must be one of "
+                          f"{', '.join(_RESERVATIONS)}, got {config.runtime.cpu_reservation!r}")
+    if config.runtime.reserved_cpus:
+        from cgroups.limits import parse_cpu_list
+
+        try:
+            parse_cpu_list(config.runtime.reserved_cpus)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: [runtime] reserved_cpus: {exc}") from None
     if q.memory_overhead < 0:
         raise ConfigError(f"{where} memory_overhead is in MiB, 0 for podvm's measured "
                           f"figure, got {q.memory_overhead}")

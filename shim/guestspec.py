@@ -38,7 +38,9 @@ def rootfs_path(container_id: str) -> str:
     return f"{container_id}/rootfs"
 
 
-def rewrite(spec: dict, container_id: str) -> GuestSpec:
+def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None) -> GuestSpec:
+    """`guest_cpus`: the vCPUs the container's host cpuset maps to (pinned vCPUs), which
+    become its cpuset in the guest; none: the host cpuset is dropped."""
     spec = copy.deepcopy(spec)
     root = spec.get("root") or {}
     spec["root"] = {"path": f"{GUEST_SHARED}/{rootfs_path(container_id)}",
@@ -71,6 +73,8 @@ def rewrite(spec: dict, container_id: str) -> GuestSpec:
     for key in ("cpus", "mems"):
         if cpu.pop(key, None):
             dropped.append(f"host cpuset {key} (enforced on the host, not in the guest)")
+    if guest_cpus:
+        linux.setdefault("resources", {}).setdefault("cpu", {})["cpus"] = cpu_list(guest_cpus)
     namespaces = []
     for ns in linux.get("namespaces") or []:
         if ns.get("type") == "network":
@@ -84,10 +88,17 @@ def rewrite(spec: dict, container_id: str) -> GuestSpec:
     return GuestSpec(spec, tuple(binds), tuple(dropped))
 
 
-def resources(resources: dict) -> dict:
-    """LinuxResources for the guest: the host cpuset stays on the host."""
+def resources(resources: dict, guest_cpus: list[int] | None = None) -> dict:
+    """LinuxResources for the guest: the host cpuset stays on the host; the vCPUs it maps
+    to (`guest_cpus`), if any, are the container's cpuset in the guest."""
     resources = copy.deepcopy(resources)
     cpu = resources.get("cpu") or {}
     cpu.pop("cpus", None)
     cpu.pop("mems", None)
+    if guest_cpus:
+        resources.setdefault("cpu", {})["cpus"] = cpu_list(guest_cpus)
     return resources
+
+
+def cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))

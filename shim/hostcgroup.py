@@ -135,6 +135,17 @@ class HostCgroup:
         assert self.sandbox is not None
         self.sandbox.apply(limits_for(plan, self.manager.version))
 
+    def vcpu_cpus(self) -> frozenset[int]:
+        """The CPUs the vcpus/ cgroup allows now, as the kernel has them."""
+        if isinstance(self.manager, cgroups.CgroupV2Manager):
+            path = os.path.join(self.manager.hierarchy.directory(self.layout.vcpus),
+                                "cpuset.cpus.effective")
+        else:
+            h = next(h for h in self.manager.hierarchies if "cpuset" in h.controllers)
+            path = os.path.join(h.directory(self.layout.vcpus), "cpuset.cpus")
+        text = _read(path)
+        return cgroups.limits.parse_cpu_list(text) if text else frozenset()
+
     def destroy(self) -> None:
         """The shim goes back where it came from, any other leftover up to the pod
         cgroup; idempotent."""

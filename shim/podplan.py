@@ -5,7 +5,9 @@ re-plans from all of them with the pure model; the service then applies the delt
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Callable, Mapping
+
+from cgroups.limits import format_cpu_list, parse_cpu_list
 
 from .config import Config
 from .resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,
@@ -28,6 +30,11 @@ class PodPlanner:
         self.pod_cgroup_memory_mib = pod_cgroup_memory_mib
         self.pod_cgroup_cpus = pod_cgroup_cpus
         self.boot: SandboxPlan | None = None
+        self.exclusive: frozenset[int] | None = None
+        """cpu_reservation = "exclusive": the host CPUs this pod holds for itself."""
+        self.shared_pool: Callable[[], frozenset[int]] | None = None
+        """cpu_reservation = "exclusive", for a pod without its own CPUs: the CPUs no pod
+        holds, read at each re-plan."""
 
     @classmethod
     def for_sandbox(cls, config: Config, spec: dict, host: Host, pod_cgroup_memory_mib: int = 0,
@@ -50,7 +57,30 @@ class PodPlanner:
             req, self.annotations, self.config.qemu.enable_annotations, self.config.source)
         req = replace(req, pod_cgroup_memory_mib=self.pod_cgroup_memory_mib,
                       pod_cgroup_cpus=self.pod_cgroup_cpus)
-        return plan_sandbox(req, self.host)
+        plan = plan_sandbox(req, self.host)
+        cpuset = self._cpuset(plan.cpuset)
+        if cpuset == plan.cpuset:
+            return plan
+        return replace(plan, cpuset=cpuset, explanation=plan.explanation + (
+            f"cpuset {cpuset}: " + ("the pod's exclusive CPUs" if self.exclusive else
+                                    "the CPUs no pod holds exclusively"),))
+
+    def _cpuset(self, union: str) -> str:
+        if self.exclusive:
+            return format_cpu_list(self.exclusive)
+        if self.shared_pool is None:
+            return union
+        pool = self.shared_pool()
+        if not pool:
+            raise NoFit("no CPU is left for pods without exclusive CPUs: every CPU of the "
+                        "node is reserved (cpu_reservation = \"exclusive\")")
+        return format_cpu_list((parse_cpu_list(union) & pool) or pool)
+
+    def exclusive_request(self) -> int:
+        """The pod's CPU request (its shares / 1024) when it is whole, else 0: only whole
+        CPUs are reserved exclusively."""
+        cpus = self.sandbox.share_cpus
+        return int(cpus) if cpus >= 1 and float(cpus).is_integer() else 0
 
     def update(self, current: SandboxPlan, containers: Mapping[str, ContainerResources],
                sandbox: ContainerResources | None = None) -> PlanDelta:

@@ -13,11 +13,14 @@ import os
 import shutil
 import time
 
+from cgroups.limits import format_cpu_list, parse_cpu_list
+
 from . import guestspec, mounts, paths
 from .agent import Agent
 from .config import Config
 from .hostcgroup import HostCgroup, destroy_from_state, layout_for
-from .hypervisor import VM, HypervisorError, VMSpec
+from .cpus import pinning
+from .hypervisor import VM, HypervisorError, ThreadRole, VMSpec
 from .mounts import Mount
 from .resources import Host, PlanDelta, SandboxPlan
 
@@ -45,6 +48,8 @@ class Sandbox:
                              "cgroup": self.cgroup.to_state(), "plan": plan_state(plan),
                              "vm": {}}
         self._watch: asyncio.Task | None = None
+        self.vcpu_pins: list[frozenset[int]] = []
+        """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
 
     @property
     def pid(self) -> int:
@@ -77,6 +82,7 @@ class Sandbox:
             self._persist()
             self.agent = Agent.of_vm(self.vm)
             await self.cgroup.place(self.vm)
+            await self.pin()
             self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
             info = await self.agent.ping(timeout=q.boot_timeout)
         except BaseException as exc:
@@ -134,8 +140,30 @@ class Sandbox:
             except Exception as undo:
                 log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
             self.record_plan(kept)
+            await self.pin()
             raise
         self.record_plan(delta.plan)
+        await self.pin()
+
+    async def pin(self) -> None:
+        """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1
+        when enable_vcpus_pinning and the online vCPUs and the CPUs are as many, else
+        floating over the set. Done after every change: an affinity set here outlives
+        a later, wider cpuset (Linux keeps the user's mask), so it is always rewritten."""
+        assert self.vm is not None
+        cpuset = parse_cpu_list(self.plan.cpuset) if self.plan.cpuset else \
+            self.cgroup.vcpu_cpus()
+        vcpus = (await self.vm.threads()).get(ThreadRole.VCPU, [])
+        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset,
+                               self.config.runtime.enable_vcpus_pinning)
+        pinning.apply(pins)
+        self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
+        self._state["vcpu_pins"] = [format_cpu_list(p) for p in self.vcpu_pins]
+        self._persist()
+        if pins:
+            log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
+                     ", ".join(f"{i}->{format_cpu_list(p)}"
+                               for i, p in enumerate(self.vcpu_pins)))
 
     async def _online(self, vcpus: int, added_mib: int) -> None:
         """Exactly `vcpus` online in the guest, and `added_mib` more memory."""

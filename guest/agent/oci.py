@@ -1,5 +1,6 @@
 """The guest's own part of the spec: container cgroups under /podvm, and namespaces that
-the shim marked as the pod's joined through the sandbox container's init."""
+the shim marked as the pod's joined through the sandbox container's init. The cpuset in
+the spec is already the guest's (vCPUs), as the shim's guestspec wrote it."""
 from __future__ import annotations
 
 import copy
@@ -12,9 +13,7 @@ def guest_spec(spec: dict, container_id: str, sandbox_pid: int) -> dict:
     spec = copy.deepcopy(spec)
     linux = spec.setdefault("linux", {})
     linux["cgroupsPath"] = f"{CGROUP_PARENT}/{container_id}"
-    cpu = (linux.get("resources") or {}).get("cpu") or {}
-    cpu.pop("cpus", None)
-    cpu.pop("mems", None)
+    # linux.resources.cpu.cpus, when present, names guest vCPUs: the shim put it there.
     namespaces = []
     for ns in linux.get("namespaces") or []:
         if ns.get("type") == "network":

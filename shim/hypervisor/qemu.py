@@ -185,8 +185,9 @@ class QemuVM(VM):
             raise HypervisorError("VM is not running")
         cpus = await self._qmp.execute("query-cpus-fast")
         iothreads = await self._qmp.execute("query-iothreads")
-        roles: dict[ThreadRole, list[int]] = {
-            ThreadRole.VCPU: [c["thread-id"] for c in cpus],  # type: ignore[index]
+        roles: dict[ThreadRole, list[int]] = {  # vCPUs in vCPU index order
+            ThreadRole.VCPU: [c["thread-id"] for c in sorted(  # type: ignore[index]
+                cpus, key=lambda c: c["cpu-index"])],  # type: ignore[index]
             ThreadRole.IOTHREAD: [t["thread-id"] for t in iothreads],  # type: ignore[index]
             ThreadRole.MAIN: [self.pid],
         }

@@ -48,6 +48,7 @@ class TaskService:
         self._shutdown = shutdown
         self._background: set[asyncio.Task] = set()
         self._planner: PodPlanner | None = None
+        self._allocator = None
         self._resizing = asyncio.Lock()
 
     # --- lookups -------------------------------------------------------------------
@@ -100,14 +101,22 @@ class TaskService:
         if boots_vm:
             cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
             planner = _planner(cfg, spec, cgroups_path)
-            planner.boot = _planned(planner.plan)
-            await self.boot_sandbox(req.id, cfg, planner.boot, cgroups_path)
-            self._planner = planner
+            allocator = self._reserve_cpus(req.id, cfg, planner)
+            try:
+                planner.boot = _planned(planner.plan)
+                await self.boot_sandbox(req.id, cfg, planner.boot, cgroups_path)
+            except BaseException:
+                if allocator is not None:
+                    allocator.release(req.id)
+                raise
+            self._planner, self._allocator = planner, allocator
+            if planner.shared_pool is not None:
+                self._spawn(self._watch_pool())
         else:
             await self._resize(req.id, from_linux_resources(
                 (spec.get("linux") or {}).get("resources") or {}))
         assert self.sandbox is not None
-        guest = guestspec.rewrite(spec, req.id)
+        guest = guestspec.rewrite(spec, req.id, self._guest_cpus(req.id))
         for what in guest.dropped:
             log.info("container %s: left out %s", req.id, what)
         rootfs = [Mount(m.type, m.source, tuple(m.options)) for m in req.rootfs]
@@ -184,19 +193,84 @@ class TaskService:
             sandbox, self.sandbox = self.sandbox, None
             await sandbox.shutdown()
 
-    async def _resize(self, container_id: str, resources: ContainerResources | None,
+    def _reserve_cpus(self, sandbox_id: str, cfg: config.Config, planner: PodPlanner):
+        """cpu_reservation = "exclusive": the pod's own CPUs from the node-wide allocator
+        (an integral CPU request), or the shared pool. The allocator, or None."""
+        if cfg.runtime.cpu_reservation != "exclusive":
+            return None
+        from ..cpus.allocator import Allocator, NoFreeCPUs
+
+        allocator = Allocator(reserved=cfg.runtime.reserved_cpus)
+        count = planner.exclusive_request()
+        if not count:
+            planner.shared_pool = allocator.shared_pool
+            return allocator
+        try:
+            planner.exclusive = allocator.reserve(sandbox_id, count)
+        except NoFreeCPUs as exc:
+            raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
+        log.info("sandbox %s: exclusive host CPUs %s", sandbox_id, sorted(planner.exclusive))
+        return allocator
+
+    async def _watch_pool(self) -> None:
+        """A pod in the shared pool follows it as exclusive reservations come and go."""
+        assert self._allocator is not None
+        seen = self._allocator.version()
+        while self.sandbox is not None:
+            await asyncio.sleep(1)
+            now = self._allocator.version()
+            if now != seen:
+                seen = now
+                await self._resize(None, None, quiet=True)
+
+    def _guest_cpus(self, container_id: str) -> list[int] | None:
+        """The vCPUs a container's host cpuset maps to (pinned vCPUs), for its cpuset in
+        the guest; None when it has no cpuset or nothing maps."""
+        planner, sandbox = self._planner, self.sandbox
+        if planner is None or sandbox is None:
+            return None
+        cpuset = planner.containers.get(container_id, ContainerResources()).cpuset
+        if not cpuset:
+            return None
+        from cgroups.limits import parse_cpu_list
+
+        from ..cpus.pinning import guest_cpus
+
+        return guest_cpus(parse_cpu_list(cpuset), sandbox.vcpu_pins) or None
+
+    async def _confine(self, skip: str | None) -> None:
+        """After the vCPUs were re-pinned: every other container's cpuset in the guest
+        follows."""
+        sandbox = self.sandbox
+        if sandbox is None or sandbox.agent is None:
+            return
+        for cid, container in self.containers.items():
+            if cid == skip or container.init.state is State.STOPPED:
+                continue
+            cpus = self._guest_cpus(cid)
+            if cpus is None:
+                continue
+            try:
+                await sandbox.agent.update(cid, json.dumps(
+                    {"cpu": {"cpus": guestspec.cpu_list(cpus)}}).encode())
+            except TtrpcError as exc:
+                log.warning("container %s: guest cpuset: %s", cid, exc.message)
+
+    async def _resize(self, container_id: str | None, resources: ContainerResources | None,
                       quiet: bool = False) -> None:
-        """Re-plan the pod with `container_id` at `resources` (None: gone) and apply the
-        step: host cgroup limits, vCPUs and memory hot-plugged, the guest told. All or
-        nothing: on failure the plan in force stays. `quiet`: failures are logged only
-        (a shrink during cleanup)."""
+        """Re-plan the pod with `container_id` at `resources` (None: gone; no id: only the
+        shared CPU pool changed) and apply the step: host cgroup limits, vCPUs and memory
+        hot-plugged, vCPUs re-pinned, the guest told. All or nothing: on failure the plan
+        in force stays. `quiet`: failures are logged only (a shrink during cleanup)."""
         sandbox, planner = self.sandbox, self._planner
         if sandbox is None or planner is None:
             return
         async with self._resizing:
             containers = dict(planner.containers)
             base = None
-            if container_id == self._sandbox_container:
+            if container_id is None:
+                pass
+            elif container_id == self._sandbox_container:
                 base = resources or ContainerResources()  # ctr run: a container is its pod
             elif resources is None:
                 containers.pop(container_id, None)
@@ -206,6 +280,7 @@ class TaskService:
 
             try:
                 delta = _planned(lambda: planner.update(sandbox.plan, containers, base))
+                pins = list(sandbox.vcpu_pins)
                 if delta.plan != sandbox.plan:
                     try:
                         await sandbox.resize(delta)
@@ -223,6 +298,8 @@ class TaskService:
                             exc.message)
                 return
             planner.commit(containers, base)
+            if pins != sandbox.vcpu_pins:
+                await self._confine(skip=container_id)
 
     async def _watch_vm(self, sandbox: Sandbox) -> None:
         assert sandbox.vm is not None
@@ -363,6 +440,8 @@ class TaskService:
             return
         log.info("sandbox %s: stopping the VM", sandbox.id)
         await sandbox.shutdown()
+        if self._allocator is not None:
+            self._allocator.release(sandbox.id)
         for task in list(self._background):
             task.cancel()
 
@@ -454,8 +533,8 @@ class TaskService:
                 planner.containers.get(req.id, ContainerResources())
         await self._resize(req.id, wanted)  # the host first: the guest gets room to grow
         try:
-            await self._agent().update(req.id,
-                                       json.dumps(guestspec.resources(resources)).encode())
+            await self._agent().update(req.id, json.dumps(guestspec.resources(
+                resources, self._guest_cpus(req.id))).encode())
         except BaseException:
             if before is not None:
                 await self._resize(req.id, before, quiet=True)

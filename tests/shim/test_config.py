@@ -37,6 +37,11 @@ def test_partial_file_keeps_other_defaults(tmp_path: pathlib.Path) -> None:
     ("[hypervisor.clh]\npath = \"x\"\n", "unknown section [hypervisor.clh]"),
     ("[agent]\nx = 1\n", "unknown section [agent]"),
     ("[runtime]\nsandbox_cgroup_only = \"yes\"\n", "sandbox_cgroup_only must be true or false"),
+    ("[runtime]\nsizing = \"min\"\n", "sizing must be one of sum, max"),
+    ("[runtime]\ncpu_reservation = \"dedicated\"\n",
+     "cpu_reservation must be one of shares, exclusive"),
+    ("[runtime]\nreserved_cpus = \"0-x\"\n", "reserved_cpus"),
+    ("[hypervisor.qemu]\nmemory_overhead = -1\n", "memory_overhead is in MiB"),
     ("[runtime\n", "not valid TOML"),
     ("runtime = 3\n", "[runtime] must be a table"),
 ])

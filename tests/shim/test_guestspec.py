@@ -65,3 +65,14 @@ def test_update_resources_keep_the_host_cpuset_on_the_host() -> None:
     r = {"cpu": {"shares": 512, "cpus": "2"}, "memory": {"limit": 1}}
     assert guestspec.resources(r) == {"cpu": {"shares": 512}, "memory": {"limit": 1}}
     assert r["cpu"]["cpus"] == "2"
+
+
+def test_guest_cpuset_names_the_vcpus_the_host_cpuset_maps_to() -> None:
+    spec = {"linux": {"resources": {"cpu": {"cpus": "6-7", "shares": 512}}}}
+    guest = guestspec.rewrite(spec, "c1", guest_cpus=[2, 1])
+    assert guest.spec["linux"]["resources"]["cpu"] == {"cpus": "1,2", "shares": 512}
+    assert guestspec.rewrite(spec, "c1", guest_cpus=[]).spec["linux"]["resources"]["cpu"] == {
+        "shares": 512}
+    assert guestspec.resources({"cpu": {"cpus": "6"}}, [0]) == {"cpu": {"cpus": "0"}}
+    assert guestspec.resources({"memory": {"limit": 1}}, [3]) == {"memory": {"limit": 1},
+                                                         "cpu": {"cpus": "3"}}

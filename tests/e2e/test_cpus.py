@@ -1,0 +1,157 @@
+"""CPU affinity and reservations through containerd's CRI (resources.md sections 4 and 5):
+a pod's vCPU threads stay on the CPUs its containers' cpusets give, pinned 1:1 when
+asked, containers confined in the guest to the vCPUs of their own CPUs, and exclusive
+CPUs from the node-wide allocator. Real containerd, real QEMU (TCG), real cgroups."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+
+import pytest
+
+from shim import paths, status
+from shim.cpus.allocator import Allocator
+
+from .containerd import CRI_NAMESPACE, Containerd
+from .cri import Crictl, write_config
+from .test_crictl import container_config, pod_config, wait_for
+from .test_pod_resources import remove_pod, start_containerd
+
+ONLINE = sorted(Allocator().pool)
+
+
+def need_two_cpus() -> None:
+    if len(ONLINE) < 2:
+        pytest.fail(f"these tests need 2 host CPUs, this machine has {ONLINE}")
+
+
+@pytest.fixture(scope="module")
+def pinning_ctd(tmp_path_factory, image_cache):
+    c = start_containerd(tmp_path_factory.mktemp("podvm-pinning"), image_cache,
+                         {"enable_vcpus_pinning": True}, default_maxvcpus=2)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def exclusive_ctd(tmp_path_factory, image_cache):
+    c = start_containerd(tmp_path_factory.mktemp("podvm-exclusive"), image_cache,
+                         {"cpu_reservation": "exclusive"}, default_maxvcpus=2)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def vcpu_affinities(pod_id: str) -> list[set[int]]:
+    """sched_getaffinity of the pod's vCPU threads, in vCPU order."""
+    report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+    vcpus = sorted((t for t in report["cgroup"]["threads"] if t["role"] == "vcpu"),
+                   key=lambda t: int(t["name"].split()[1].split("/")[0]))
+    return [os.sched_getaffinity(t["tid"]) for t in vcpus]
+
+
+def start(crictl: Crictl, tmp: pathlib.Path, pod_id: str, pod_file: pathlib.Path, name: str,
+          **linux_resources) -> str:
+    config = container_config(name, "sleep 1000")
+    if linux_resources:
+        config["linux"] = {"resources": linux_resources}
+    cid = crictl.create(pod_id, write_config(tmp, f"{name}.json", config), pod_file)
+    crictl.start(cid)
+    return cid
+
+
+def guest_affinity(crictl: Crictl, cid: str) -> str:
+    result = crictl.exec(cid, "sh", "-c", "grep Cpus_allowed_list /proc/self/status")
+    assert result.exit_code == 0, result
+    return result.stdout.split()[-1]
+
+
+def test_cpuset_of_a_container_bounds_every_vcpu_thread(pinning_ctd, tmp_path) -> None:
+    need_two_cpus()
+    crictl = Crictl(pinning_ctd.cri_endpoint, timeout="120s")
+    pod_file = write_config(tmp_path, "pod.json", pod_config(pinning_ctd, tmp_path, "cpuset"))
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    try:
+        assert all(a == set(ONLINE) for a in vcpu_affinities(pod_id))
+        cid = start(crictl, tmp_path, pod_id, pod_file, "one", cpuset_cpus=str(ONLINE[1]))
+        assert vcpu_affinities(pod_id) == [{ONLINE[1]}]
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert report["cgroup"]["limits"]["cpuset_cpus"] == str(ONLINE[1])
+        wide = f"{ONLINE[0]}-{ONLINE[1]}"
+        crictl.run("update", "--cpuset-cpus", wide, cid)
+        assert vcpu_affinities(pod_id) == [set(ONLINE[:2])]
+        crictl.run("update", "--cpuset-cpus", str(ONLINE[1]), cid)
+        crictl.run("stop", "-t", "0", cid)
+        crictl.run("rm", cid)
+        wait_for("the pod's CPUs back", lambda: vcpu_affinities(pod_id) == [set(ONLINE)])
+    finally:
+        remove_pod(pinning_ctd, crictl, pod_id)
+
+
+def test_vcpus_pinned_and_containers_confined_in_the_guest(pinning_ctd, tmp_path) -> None:
+    """Two containers on disjoint CPUs: two vCPUs, one pinned on each CPU, and inside the
+    guest each container runs only on the vCPU of its own CPU (kata-containers#5050)."""
+    need_two_cpus()
+    a_cpu, b_cpu = ONLINE[0], ONLINE[1]
+    crictl = Crictl(pinning_ctd.cri_endpoint, timeout="120s")
+    pod_file = write_config(tmp_path, "pod.json", pod_config(pinning_ctd, tmp_path, "pin"))
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    try:
+        half = {"cpu_period": 100_000, "cpu_quota": 50_000}
+        a = start(crictl, tmp_path, pod_id, pod_file, "a", cpuset_cpus=str(a_cpu), **half)
+        b = start(crictl, tmp_path, pod_id, pod_file, "b", cpuset_cpus=str(b_cpu), **half)
+        assert vcpu_affinities(pod_id) == [{a_cpu}, {b_cpu}]  # 1 + 0.5 + 0.5 = 2 vCPUs
+        assert guest_affinity(crictl, a) == "0" and guest_affinity(crictl, b) == "1"
+        crictl.run("update", "--cpuset-cpus", f"{a_cpu},{b_cpu}", b)
+        assert guest_affinity(crictl, b) == "0-1" and guest_affinity(crictl, a) == "0"
+    finally:
+        remove_pod(pinning_ctd, crictl, pod_id)
+
+
+def exclusive_pod(ctd: Containerd, tmp: pathlib.Path, crictl: Crictl, name: str):
+    pod = pod_config(ctd, tmp, name)
+    pod["linux"]["resources"] = {"cpu_period": 100_000, "cpu_quota": 100_000,
+                                 "cpu_shares": 1024}  # requests = limits = 1 CPU
+    return crictl.run("runp", "--runtime", "podvm", str(write_config(tmp, f"{name}.json", pod)),
+                      check=False)
+
+
+def pod_cpuset(pod_id: str) -> str:
+    return status.collect(status.find(pod_id, CRI_NAMESPACE))["cgroup"]["limits"]["cpuset_cpus"]
+
+
+def test_exclusive_cpus_are_disjoint_refused_when_gone_and_freed_by_a_dead_shim(
+        exclusive_ctd, tmp_path) -> None:
+    need_two_cpus()
+    if len(ONLINE) != 2:
+        pytest.skip(f"written for a 2-CPU node (this one has {len(ONLINE)})")
+    crictl = Crictl(exclusive_ctd.cri_endpoint, timeout="120s")
+    pods = []
+    try:
+        for name in ("x1", "x2"):
+            ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, name)
+            assert ran.returncode == 0, ran.stderr
+            pods.append(ran.stdout.strip())
+        cpusets = {pod_cpuset(p) for p in pods}
+        assert cpusets == {str(ONLINE[0]), str(ONLINE[1])}  # one each, disjoint
+        for p in pods:
+            assert vcpu_affinities(p) == [{int(pod_cpuset(p))}] * 2
+        refused = exclusive_pod(exclusive_ctd, tmp_path, crictl, "x3")
+        assert refused.returncode != 0
+        assert "asks for 1 exclusive CPU(s) but only 0 of the node's 2" in refused.stderr
+        freed = pod_cpuset(pods[0])
+        shim_pid = int(pathlib.Path(paths.state_dir(CRI_NAMESPACE, pods[0]),
+                                    "shim.json").read_text().split('"pid": ')[1].split(",")[0])
+        os.kill(shim_pid, signal.SIGKILL)
+        ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, "x4")
+        assert ran.returncode == 0, ran.stderr
+        pods.append(ran.stdout.strip())
+        assert pod_cpuset(pods[-1]) == freed
+    finally:
+        for p in pods:
+            crictl.run("stopp", p, check=False)
+            crictl.run("rmp", p, check=False)
