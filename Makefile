@@ -88,6 +88,7 @@ bench: guest
 	$(VENV)/bin/python bench/pod_bench.py
 	$(VENV)/bin/python bench/accounting_bench.py
 	$(VENV)/bin/python bench/resize_bench.py
+	$(VENV)/bin/python bench/reservation.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
