@@ -120,6 +120,10 @@ class Agent:
             wait_cpus=cpus, cpus=cpus, wait_memory_bytes=wait_memory_bytes),
             pb.OnlineCPUMemResponse, timeout=30)
 
+    async def create_pod_namespaces(self) -> int:
+        return (await self._call("CreatePodNamespaces", pb.CreatePodNamespacesRequest(),
+                                 pb.CreatePodNamespacesResponse)).pid
+
     async def oom_event(self) -> str:
         return (await self._call("GetOOMEvent", pb.GetOOMEventRequest(),
                                  pb.OOMEvent)).container_id

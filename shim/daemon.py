@@ -13,6 +13,7 @@ import time
 from . import cleanup, log as shimlog, manager, paths
 from .events import Publisher
 from .flags import Flags
+from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2
 from .pb.containerd.task.v2 import shim_pb2
 from .task.service import TaskService
 from .ttrpc import Server, bind
@@ -21,6 +22,7 @@ log = logging.getLogger("podvm.shim")
 
 SOCKET_FD = 3
 TASK_SERVICES = ("containerd.task.v2.Task", "containerd.task.v3.Task")
+SANDBOX_SERVICE = "containerd.runtime.sandbox.v1.Sandbox"
 
 
 def serve(flags: Flags) -> int:
@@ -47,10 +49,13 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     publisher = Publisher(flags.namespace, os.environ.get("TTRPC_ADDRESS", ""),
                           flags.publish_binary, flags.address)
     tasks = TaskService(flags.namespace, publisher, shutdown=lambda: loop.call_soon(stop.set))
+    sandboxes = _OnFirstCall(lambda: _sandbox_service(tasks, lambda: loop.call_soon(stop.set)))
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
-    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES])
+    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES] + [
+        bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], sandboxes)])
     await server.start(sock)
-    log.info("serving %s on %s (pid %d)", "/".join(TASK_SERVICES), flags.socket, os.getpid())
+    log.info("serving %s and %s on %s (pid %d)", "/".join(TASK_SERVICES), SANDBOX_SERVICE,
+             flags.socket, os.getpid())
     started = time.monotonic()
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)
@@ -65,6 +70,29 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
         log.info("state of %s now belongs to shim %s: leaving it", group, owner)
         return
     cleanup.remove_shim_state(flags.namespace, group, flags.socket)
+
+
+class _OnFirstCall:
+    """Handlers made at the first call: most pods never use the Sandbox API, and an idle
+    daemon should not carry its code (memory per pod)."""
+
+    def __init__(self, factory) -> None:
+        self._factory = factory
+        self._impl = None
+
+    def __getattr__(self, rpc: str):
+        async def handler(request, ctx):
+            if self._impl is None:
+                self._impl = self._factory()
+            return await getattr(self._impl, rpc)(request, ctx)
+
+        return handler
+
+
+def _sandbox_service(tasks: TaskService, shutdown):
+    from .sandboxapi import SandboxService
+
+    return SandboxService(tasks, shutdown)
 
 
 def _open_log_fifo(path: str) -> None:

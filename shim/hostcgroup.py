@@ -146,6 +146,40 @@ class HostCgroup:
         text = _read(path)
         return cgroups.limits.parse_cpu_list(text) if text else frozenset()
 
+    def metrics(self):
+        """The sandbox cgroup's usage as containerd's cgroups Metrics (v1 or v2, as the
+        host has), packed in an Any with containerd's type URL."""
+        from google.protobuf.any_pb2 import Any
+
+        if isinstance(self.manager, cgroups.CgroupV2Manager):
+            from .pb.containerd.cgroups.v2 import metrics_pb2 as v2
+
+            d = self.manager.hierarchy.directory(self.layout.sandbox)
+            stat = dict(line.split() for line in _read(os.path.join(d, "cpu.stat"))
+                        .splitlines() if len(line.split()) == 2)
+            m = v2.Metrics()
+            m.cpu.usage_usec = int(stat.get("usage_usec", 0))
+            m.memory.usage = _int(os.path.join(d, "memory.current"))
+            m.memory.usage_limit = _int(os.path.join(d, "memory.max"))
+            m.pids.current = _int(os.path.join(d, "pids.current"))
+            m.pids.limit = _int(os.path.join(d, "pids.max"))
+            return Any(type_url="io.containerd.cgroups.v2.Metrics",
+                       value=m.SerializeToString())
+        from .pb.containerd.cgroups.v1 import metrics_pb2 as v1
+
+        def path(controller: str, name: str) -> str:
+            h = next(h for h in self.manager.hierarchies if controller in h.controllers)
+            return os.path.join(h.directory(self.layout.sandbox), name)
+
+        m = v1.Metrics()
+        m.cpu.usage.total = _int(path("cpuacct", "cpuacct.usage"))
+        m.memory.usage.usage = _int(path("memory", "memory.usage_in_bytes"))
+        m.memory.usage.limit = _int(path("memory", "memory.limit_in_bytes"))
+        m.memory.usage.max = _int(path("memory", "memory.max_usage_in_bytes"))
+        m.pids.current = _int(path("pids", "pids.current"))
+        m.pids.limit = _int(path("pids", "pids.max"))
+        return Any(type_url="io.containerd.cgroups.v1.Metrics", value=m.SerializeToString())
+
     def destroy(self) -> None:
         """The shim goes back where it came from, any other leftover up to the pod
         cgroup; idempotent."""
@@ -204,3 +238,9 @@ def _read(path: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _int(path: str) -> int:
+    """A number from a cgroup file; 0 for "max", absent or unreadable."""
+    text = _read(path)
+    return int(text) if text.isdigit() else 0

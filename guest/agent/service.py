@@ -16,6 +16,7 @@ from shim.ttrpc import Code, Context, TtrpcError
 
 from . import containers, oci, resources, runc
 from .containers import Container
+from .reaper import REAPER
 
 log = logging.getLogger("podvm.agent")
 
@@ -27,6 +28,8 @@ class AgentService:
         self.containers: dict[str, Container] = {}
         self._oom: asyncio.Queue[str] = asyncio.Queue()
         self._oom_counts: dict[str, int] = {}
+        self._pod_namespaces = 0
+        """The guest pid holding the pod's namespaces when no sandbox container does."""
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -38,7 +41,31 @@ class AgentService:
         for c in self.containers.values():
             if c.sandbox:
                 return c.init.pid
-        return 0
+        return self._pod_namespaces
+
+    async def CreatePodNamespaces(self, req: pb.CreatePodNamespacesRequest,
+                                  ctx: Context) -> pb.CreatePodNamespacesResponse:
+        """busybox unshare forks a sleeper into new pid, ipc and uts namespaces: that
+        sleeper is the pod's PID 1 and the namespaces' holder. Idempotent."""
+        if self._pod_namespaces and os.path.exists(f"/proc/{self._pod_namespaces}"):
+            return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces)
+        argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", "/bin/busybox", "sleep",
+                "2147483647"]
+        pid = os.posix_spawn("/bin/busybox", argv, {"PATH": "/bin"})
+        REAPER.watch(pid)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    children = f.read().split()
+            except OSError:
+                children = []
+            if children:
+                self._pod_namespaces = int(children[0])
+                log.info("pod namespaces held by %d", self._pod_namespaces)
+                return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces)
+            await asyncio.sleep(0.01)
+        raise TtrpcError(Code.INTERNAL, "the pod's namespace holder did not start")
 
     async def Ping(self, req: pb.PingRequest, ctx: Context) -> pb.PingResponse:
         with open("/proc/uptime") as f:

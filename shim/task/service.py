@@ -49,6 +49,8 @@ class TaskService:
         self._background: set[asyncio.Task] = set()
         self._planner: PodPlanner | None = None
         self._allocator = None
+        self.pod_owner = None
+        """The Sandbox API's service when it created this pod (no sandbox container)."""
         self._resizing = asyncio.Lock()
 
     # --- lookups -------------------------------------------------------------------
@@ -98,20 +100,13 @@ class TaskService:
                              f"container {req.id} belongs to sandbox "
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
                              f"this shim does not run")
+        if boots_vm and self.pod_owner is not None:
+            raise TtrpcError(Code.FAILED_PRECONDITION,
+                             f"container {req.id}: the pod's sandbox was created through the "
+                             f"Sandbox API and is not started")
         if boots_vm:
             cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
-            planner = _planner(cfg, spec, cgroups_path)
-            allocator = self._reserve_cpus(req.id, cfg, planner)
-            try:
-                planner.boot = _planned(planner.plan)
-                await self.boot_sandbox(req.id, cfg, planner.boot, cgroups_path)
-            except BaseException:
-                if allocator is not None:
-                    allocator.release(req.id)
-                raise
-            self._planner, self._allocator = planner, allocator
-            if planner.shared_pool is not None:
-                self._spawn(self._watch_pool())
+            await self.start_pod(req.id, cfg, _planner(cfg, spec, cgroups_path), cgroups_path)
         else:
             await self._resize(req.id, from_linux_resources(
                 (spec.get("linux") or {}).get("resources") or {}))
@@ -193,6 +188,26 @@ class TaskService:
             sandbox, self.sandbox = self.sandbox, None
             await sandbox.shutdown()
 
+    async def start_pod(self, sandbox_id: str, cfg: config.Config, planner: PodPlanner,
+                        cgroups_path: str) -> None:
+        """Reserve the pod's CPUs (exclusive mode), plan and boot its VM; the sandbox
+        container's Create and the Sandbox API's StartSandbox both come here."""
+        allocator = self._reserve_cpus(sandbox_id, cfg, planner)
+        try:
+            planner.boot = _planned(planner.plan)
+            await self.boot_sandbox(sandbox_id, cfg, planner.boot, cgroups_path)
+        except BaseException:
+            if allocator is not None:
+                allocator.release(sandbox_id)
+            raise
+        self._planner, self._allocator = planner, allocator
+        if planner.shared_pool is not None:
+            self._spawn(self._watch_pool())
+
+    async def update_pod(self, sandbox: ContainerResources) -> None:
+        """The pod's own totals changed (the Sandbox API's UpdateSandbox): re-plan, apply."""
+        await self._resize(None, None, sandbox=sandbox)
+
     def _reserve_cpus(self, sandbox_id: str, cfg: config.Config, planner: PodPlanner):
         """cpu_reservation = "exclusive": the pod's own CPUs from the node-wide allocator
         (an integral CPU request), or the shared pool. The allocator, or None."""
@@ -257,17 +272,17 @@ class TaskService:
                 log.warning("container %s: guest cpuset: %s", cid, exc.message)
 
     async def _resize(self, container_id: str | None, resources: ContainerResources | None,
-                      quiet: bool = False) -> None:
+                      quiet: bool = False, sandbox: ContainerResources | None = None) -> None:
         """Re-plan the pod with `container_id` at `resources` (None: gone; no id: only the
         shared CPU pool changed) and apply the step: host cgroup limits, vCPUs and memory
         hot-plugged, vCPUs re-pinned, the guest told. All or nothing: on failure the plan
         in force stays. `quiet`: failures are logged only (a shrink during cleanup)."""
-        sandbox, planner = self.sandbox, self._planner
+        pod_totals, sandbox, planner = sandbox, self.sandbox, self._planner
         if sandbox is None or planner is None:
             return
         async with self._resizing:
             containers = dict(planner.containers)
-            base = None
+            base = pod_totals
             if container_id is None:
                 pass
             elif container_id == self._sandbox_container:
@@ -313,6 +328,8 @@ class TaskService:
             for proc in (container.init, *container.execs.values()):
                 if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
                     self._exited(proc, VM_GONE_STATUS, now)
+        if self.pod_owner is not None:
+            self.pod_owner.vm_gone(VM_GONE_STATUS, now)
 
     async def _watch_oom(self, sandbox: Sandbox) -> None:
         while sandbox.agent is not None:
@@ -430,11 +447,12 @@ class TaskService:
                 log.warning("container %s: removal in the guest: %s", container.id, exc)
         sandbox.unshare(container.id)
         if container.id == self._sandbox_container:
-            await self._stop_sandbox()
+            await self.stop_pod()
         else:
             await self._resize(container.id, None, quiet=True)
 
-    async def _stop_sandbox(self) -> None:
+    async def stop_pod(self) -> None:
+        """Stop the VM and everything of the pod on the host; a no-op when stopped."""
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is None:
             return
@@ -560,7 +578,7 @@ class TaskService:
             for proc in (container.init, *container.execs.values()):
                 if proc.io is not None:
                     await proc.io.close()
-        await self._stop_sandbox()
+        await self.stop_pod()
 
 
 def _read_bundle(bundle: str) -> dict:

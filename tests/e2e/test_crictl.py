@@ -315,7 +315,14 @@ def test_containerd_2_snippet_and_runtimeclass() -> None:
     podvm = v3["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["podvm"]
     assert podvm["runtime_type"] == "io.containerd.podvm.v2"
     assert podvm["options"]["ConfigPath"] == "/etc/podvm/configuration.toml"
-    assert "sandboxer" not in podvm  # the shim-sandboxer variant stays commented out
+    assert "sandboxer" not in podvm  # the default: a pause container
+    v3s = tomllib.loads((REPO_ROOT / "packaging/containerd/config-v3-sandboxer.toml")
+                        .read_text())
+    shim_mode = v3s["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"][
+        "podvm-sandboxer"]
+    assert shim_mode["sandboxer"] == "shim"
+    assert shim_mode["runtime_type"] == podvm["runtime_type"]
+    assert shim_mode["options"] == podvm["options"]
     rc = (REPO_ROOT / "packaging/kubernetes/runtimeclass.yaml").read_text()
     assert re.search(r"^handler: podvm$", rc, re.M)
     assert re.search(r"^  podFixed:\n    memory: .+\n    cpu: .+$", rc, re.M)
