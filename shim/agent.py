@@ -43,10 +43,10 @@ class Agent:
         return await self._call("Ping", pb.PingRequest(), pb.PingResponse, timeout)
 
     async def create_container(self, container_id: str, spec_json: bytes, stdio: Stdio,
-                               sandbox: bool) -> int:
+                               sandbox: bool, pod_holder: bool = False) -> int:
         req = pb.CreateContainerRequest(container_id=container_id, spec_json=spec_json,
                                         stdio=stdio.message(), sandbox=sandbox,
-                                        sandbox_id=self._sandbox_id)
+                                        sandbox_id=self._sandbox_id, pod_holder=pod_holder)
         return (await self._call("CreateContainer", req, pb.CreateContainerResponse)).pid
 
     async def start_container(self, container_id: str) -> int:

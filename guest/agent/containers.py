@@ -30,6 +30,8 @@ class Process:
     exit_status: int | None = None
     exited_at_ns: int = 0
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    killed_by: int = 0
+    """The signal the agent sent a namespace holder (holder.py), for its exit status."""
 
     def stream(self, name: str) -> Stream | None:
         if self.pty is not None:
@@ -55,6 +57,8 @@ class Container:
     sandbox: bool
     init: Process
     execs: dict[str, Process] = field(default_factory=dict)
+    holder: bool = False
+    """No runc container: the pod's namespace holder stands in (holder.py)."""
 
     def process(self, exec_id: str) -> Process:
         if not exec_id:

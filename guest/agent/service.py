@@ -14,9 +14,8 @@ from google.protobuf.empty_pb2 import Empty
 from shim.pb.agent import agent_pb2 as pb
 from shim.ttrpc import Code, Context, TtrpcError
 
-from . import containers, oci, resources, runc
+from . import containers, holder, oci, resources, runc
 from .containers import Container
-from .reaper import REAPER
 
 log = logging.getLogger("podvm.agent")
 
@@ -28,8 +27,8 @@ class AgentService:
         self.containers: dict[str, Container] = {}
         self._oom: asyncio.Queue[str] = asyncio.Queue()
         self._oom_counts: dict[str, int] = {}
-        self._pod_namespaces = 0
-        """The guest pid holding the pod's namespaces when no sandbox container does."""
+        self._pod_namespaces: containers.Process | None = None
+        """The holder of the pod's namespaces when no sandbox container does."""
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -41,31 +40,14 @@ class AgentService:
         for c in self.containers.values():
             if c.sandbox:
                 return c.init.pid
-        return self._pod_namespaces
+        return self._pod_namespaces.pid if self._pod_namespaces else 0
 
     async def CreatePodNamespaces(self, req: pb.CreatePodNamespacesRequest,
                                   ctx: Context) -> pb.CreatePodNamespacesResponse:
-        """busybox unshare forks a sleeper into new pid, ipc and uts namespaces: that
-        sleeper is the pod's PID 1 and the namespaces' holder. Idempotent."""
-        if self._pod_namespaces and os.path.exists(f"/proc/{self._pod_namespaces}"):
-            return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces)
-        argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", "/bin/busybox", "sleep",
-                "2147483647"]
-        pid = os.posix_spawn("/bin/busybox", argv, {"PATH": "/bin"})
-        REAPER.watch(pid)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{pid}/task/{pid}/children") as f:
-                    children = f.read().split()
-            except OSError:
-                children = []
-            if children:
-                self._pod_namespaces = int(children[0])
-                log.info("pod namespaces held by %d", self._pod_namespaces)
-                return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces)
-            await asyncio.sleep(0.01)
-        raise TtrpcError(Code.INTERNAL, "the pod's namespace holder did not start")
+        """The pod of a Sandbox-API sandbox (no sandbox container). Idempotent."""
+        if self._pod_namespaces is None or self._pod_namespaces.exited.is_set():
+            self._pod_namespaces = await holder.start("pod")
+        return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces.pid)
 
     async def Ping(self, req: pb.PingRequest, ctx: Context) -> pb.PingResponse:
         with open("/proc/uptime") as f:
@@ -83,6 +65,11 @@ class AgentService:
             spec = json.loads(req.spec_json)
         except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"spec is not JSON: {exc}") from None
+        if req.pod_holder:
+            container = Container(req.container_id, True, await holder.start(req.container_id),
+                                  holder=True)
+            self.containers[req.container_id] = container
+            return pb.CreateContainerResponse(pid=container.init.pid)
         root = (spec.get("root") or {}).get("path", "")
         if not os.path.isdir(root):
             raise TtrpcError(Code.INVALID_ARGUMENT,
@@ -96,7 +83,8 @@ class AgentService:
     async def StartContainer(self, req: pb.StartContainerRequest,
                              ctx: Context) -> pb.StartContainerResponse:
         container = self._container(req.container_id)
-        await runc.runc(req.container_id, "start", req.container_id)
+        if not container.holder:  # a holder runs from its creation
+            await runc.runc(req.container_id, "start", req.container_id)
         return pb.StartContainerResponse(pid=container.init.pid)
 
     async def ExecProcess(self, req: pb.ExecProcessRequest,
@@ -119,6 +107,8 @@ class AgentService:
             raise TtrpcError(Code.NOT_FOUND, f"process {proc.pid} already exited")
         if req.exec_id:
             os.kill(proc.pid, req.signal)
+        elif container.holder:
+            holder.signal(proc, req.signal)
         else:
             args = ["kill", *(["--all"] if req.all else []), req.container_id, str(req.signal)]
             await runc.runc(req.container_id, *args)
@@ -134,6 +124,8 @@ class AgentService:
 
     async def ListPids(self, req: pb.ListPidsRequest, ctx: Context) -> pb.ListPidsResponse:
         container = self._container(req.container_id)
+        if container.holder:
+            return pb.ListPidsResponse(processes=[pb.ProcessEntry(pid=container.init.pid)])
         out = await runc.runc(req.container_id, "ps", "--format", "json", req.container_id)
         execs = {p.pid: e for e, p in container.execs.items()}
         return pb.ListPidsResponse(processes=[pb.ProcessEntry(pid=pid, exec_id=execs.get(pid, ""))
@@ -145,7 +137,8 @@ class AgentService:
         return pb.ContainerStatsResponse(metrics=resources.metrics(req.container_id))
 
     async def UpdateContainer(self, req: pb.UpdateContainerRequest, ctx: Context) -> Empty:
-        self._container(req.container_id)
+        if self._container(req.container_id).holder:
+            return Empty()  # holds namespaces, uses nothing worth limiting
         path = os.path.join(runc.bundle_dir(req.container_id), "update.json")
         with open(path, "wb") as f:
             f.write(req.resources_json)
@@ -153,22 +146,32 @@ class AgentService:
         return Empty()
 
     async def PauseContainer(self, req: pb.PauseContainerRequest, ctx: Context) -> Empty:
-        self._container(req.container_id)
+        if self._container(req.container_id).holder:
+            _freeze(req.container_id, True)
+            return Empty()
         await runc.runc(req.container_id, "pause", req.container_id)
         return Empty()
 
     async def ResumeContainer(self, req: pb.ResumeContainerRequest, ctx: Context) -> Empty:
-        self._container(req.container_id)
+        if self._container(req.container_id).holder:
+            _freeze(req.container_id, False)
+            return Empty()
         await runc.runc(req.container_id, "resume", req.container_id)
         return Empty()
 
     async def RemoveContainer(self, req: pb.RemoveContainerRequest, ctx: Context) -> Empty:
         container = self._container(req.container_id)
-        try:
-            await runc.runc(req.container_id, "delete", "--force", req.container_id)
-        except TtrpcError as exc:
-            if exc.code != Code.NOT_FOUND:
-                raise
+        if container.holder:
+            if not container.init.exited.is_set():
+                holder.signal(container.init, 9)
+                await container.init.exited.wait()
+            holder.remove_cgroup(req.container_id)
+        else:
+            try:
+                await runc.runc(req.container_id, "delete", "--force", req.container_id)
+            except TtrpcError as exc:
+                if exc.code != Code.NOT_FOUND:
+                    raise
         for proc in (container.init, *container.execs.values()):
             proc.close()
         del self.containers[req.container_id]
@@ -261,3 +264,8 @@ class AgentService:
 def _power_off() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.reboot(0x4321FEDC)  # LINUX_REBOOT_CMD_POWER_OFF
+
+
+def _freeze(container_id: str, frozen: bool) -> None:
+    with open(os.path.join(holder.cgroup_dir(container_id), "cgroup.freeze"), "w") as f:
+        f.write("1" if frozen else "0")

@@ -119,7 +119,9 @@ class TaskService:
         try:
             self.sandbox.share(req.id, req.bundle, rootfs, guest.binds)
             await self._agent().create_container(req.id, json.dumps(guest.spec).encode(),
-                                                 stdio, sandbox=boots_vm)
+                                                 stdio, sandbox=boots_vm,
+                                                 pod_holder=annotations.get(CONTAINER_TYPE)
+                                                 == "sandbox")
         except BaseException as exc:
             await self._undo_create(req.id, boots_vm)
             if isinstance(exc, OSError):

@@ -150,6 +150,16 @@ def test_exec_output_and_exit_code(crictl, pod) -> None:
     assert uname.stdout.strip() == guest_kernel()
 
 
+def test_the_pod_s_pid_1_reaps_orphans(crictl, pod) -> None:
+    """No pause image runs in the VM: the agent's namespace holder is the pod's PID 1
+    and, like pause, reaps what the pod's processes orphan."""
+    pid1 = crictl.exec(pod["a"], "sh", "-c", "tr '\\0' ' ' < /proc/1/cmdline")
+    assert "busybox sh -c trap" in pid1.stdout
+    orphan = crictl.exec(pod["a"], "sh", "-c", "(sleep 0.3 &); sleep 2; "
+                         "grep -l '^State:.*Z' /proc/[0-9]*/status | wc -l")
+    assert orphan.exit_code == 0 and orphan.stdout.strip() == "0", orphan
+
+
 def test_stats_come_from_the_guest(crictl, pod) -> None:
     stats = crictl.run("stats", "-o", "json").json()["stats"]
     by_id = {s["attributes"]["id"]: s for s in stats}

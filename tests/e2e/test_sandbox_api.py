@@ -142,7 +142,7 @@ async def test_sandbox_lifecycle_with_a_container_and_an_update(shim, rootfs) ->
     fifos = Fifos(shim["tmp"], "c1")
     await create(task_ctx, "c1", bundle, fifos)
     await shim["client"].call(TASK, "Start", api.StartRequest(id="c1"), api.StartResponse)
-    assert b"pid1=/bin/busybox sleep" in await fifos.read(fifos.out, b"\n")
+    assert b"pid1=/bin/busybox sh -c trap" in await fifos.read(fifos.out, b"\n")  # the holder
 
     update = sb.UpdateSandboxRequest(sandbox_id=SID)
     update.resources.type_url = "types.containerd.io/opencontainers/runtime-spec/1/" \

@@ -1,0 +1,83 @@
+"""The pod's namespace holder: PID 1 of the pod's pid namespace, owner of its ipc and uts
+namespaces, and reaper of the pod's orphans. It stands in for the CRI sandbox (pause)
+container, which runs nothing else (starting it through runc costs over a second under
+TCG), and holds the namespaces of a pod made through the Sandbox API, which has none.
+
+busybox `unshare --fork` makes the namespaces and forks a shell into them; the shell
+waits in a loop, so orphans reparented to it are reaped, and exits on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from shim.ttrpc import Code, TtrpcError
+
+from .containers import Process
+from .reaper import REAPER
+
+log = logging.getLogger("podvm.agent")
+
+BUSYBOX = "/bin/busybox"
+SCRIPT = f"trap 'exit 0' TERM INT; while :; do {BUSYBOX} sleep 2147483647 & wait; done"
+CGROUP = "/sys/fs/cgroup/podvm"
+
+
+async def start(container_id: str) -> Process:
+    """The holder, running, as the init process of `container_id` (in its own cgroup
+    /podvm/<id>, so that stats, pause and removal work as for any container)."""
+    argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT]
+    parent = os.posix_spawn(BUSYBOX, argv, {"PATH": "/bin"})
+    proc = Process(container_id, "")
+
+    def exited(future: asyncio.Future[int]) -> None:
+        # unshare outlives the shell by a moment and passes its status on; a signal the
+        # agent sent is reported as runc's shim would (128 + n).
+        status = future.result()
+        proc.exit_status = 128 + proc.killed_by if proc.killed_by else status
+        proc.exited_at_ns = time.time_ns()
+        proc.exited.set()
+
+    REAPER.watch(parent).add_done_callback(exited)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as f:
+                children = f.read().split()
+        except OSError:
+            children = []
+        if children:
+            proc.pid = int(children[0])
+            _own_cgroup(container_id, proc.pid)
+            log.info("pod namespaces for %s held by %d", container_id, proc.pid)
+            return proc
+        await asyncio.sleep(0.005)
+    raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not start")
+
+
+def signal(proc: Process, signum: int) -> None:
+    proc.killed_by = signum
+    os.kill(proc.pid, signum)
+
+
+def cgroup_dir(container_id: str) -> str:
+    return os.path.join(CGROUP, container_id)
+
+
+def _own_cgroup(container_id: str, pid: int) -> None:
+    try:
+        os.makedirs(cgroup_dir(container_id), exist_ok=True)
+        with open(os.path.join(CGROUP, "cgroup.subtree_control"), "w") as f:
+            f.write("+cpu +cpuset +memory +pids +io")  # as runc would, for the stats
+        with open(os.path.join(cgroup_dir(container_id), "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    except OSError as exc:
+        log.warning("holder %d of %s stays outside its cgroup: %s", pid, container_id, exc)
+
+
+def remove_cgroup(container_id: str) -> None:
+    try:
+        os.rmdir(cgroup_dir(container_id))
+    except OSError:
+        pass
