@@ -31,7 +31,7 @@ KERNEL_META = "linux-image-amd64"
 PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
             "libpython3.11-stdlib", "libc6", "zlib1g", "libexpat1", "libffi8", "libbz2-1.0",
             "liblzma5", "libuuid1", "libcrypt1", "runc", "libseccomp2"]
-MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p", "overlay"]
+MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p"]
 # Not needed by a pod VM's agent, and large.
 PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
          "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",

@@ -1,17 +1,19 @@
 """Run the agent: PID 1 of the guest after /init. Logs go to the serial console."""
 from __future__ import annotations
 
-import asyncio
-import logging
 import sys
-import time
 
-from shim.pb.agent import agent_pb2
-from shim.ttrpc import Server, bind
+sys.modules["ssl"] = None  # type: ignore[assignment]  # no TLS in the guest: asyncio skips it
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
 
-from .port import open_port, wait_for_port
-from .reaper import REAPER
-from .service import AgentService
+from shim.pb.agent import agent_pb2  # noqa: E402
+from shim.ttrpc import Server, bind  # noqa: E402
+
+from .port import open_port, wait_for_port  # noqa: E402
+from .reaper import REAPER  # noqa: E402
+from .service import AgentService  # noqa: E402
 
 log = logging.getLogger("podvm.agent")
 

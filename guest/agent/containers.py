@@ -4,9 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +80,8 @@ class Stdio:
 
     def __enter__(self) -> "Stdio":
         if self.want.terminal:
+            import tempfile
+
             self._tmp = tempfile.mkdtemp(prefix="console-", dir="/run")
             self.console_path = os.path.join(self._tmp, "sock")
             self.console = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,6 +128,8 @@ class Stdio:
         if self.console is not None:
             self.console.close()
         if self._tmp:
+            import shutil
+
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 

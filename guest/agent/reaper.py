@@ -51,7 +51,6 @@ async def run(argv: list[str], stdin: int | None = None, stdout: int | None = No
               stderr: int | None = None, capture: bool = True) -> tuple[int, bytes, bytes]:
     """Run a program through the reaper (asyncio's own child watching would race with
     PID 1's reaping). Unset stdio is captured (or /dev/null when capture is False)."""
-    loop = asyncio.get_running_loop()
     pipes: dict[int, int] = {}
     actions = []
     devnull = os.open(os.devnull, os.O_RDWR)

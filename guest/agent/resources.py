@@ -5,9 +5,6 @@ from __future__ import annotations
 import glob
 import os
 
-from google.protobuf.any_pb2 import Any
-
-from shim.pb.containerd.cgroups.v2 import metrics_pb2 as m
 
 CGROUP = "/sys/fs/cgroup/podvm"
 
@@ -76,7 +73,12 @@ def _single(path: str) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def metrics(container_id: str) -> Any:
+def metrics(container_id: str):
+    """The container's cgroup v2 statistics as containerd's Metrics, in an Any."""
+    from google.protobuf.any_pb2 import Any  # loaded at the first stats call, not at boot
+
+    from shim.pb.containerd.cgroups.v2 import metrics_pb2 as m
+
     base = os.path.join(CGROUP, container_id)
     cpu = _kv(os.path.join(base, "cpu.stat"))
     mem = _kv(os.path.join(base, "memory.stat"))

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
-import shutil
 import time
 
 from google.protobuf.empty_pb2 import Empty
@@ -176,6 +174,8 @@ class AgentService:
             proc.close()
         del self.containers[req.container_id]
         self._oom_counts.pop(req.container_id, None)
+        import shutil
+
         shutil.rmtree(runc.bundle_dir(req.container_id), ignore_errors=True)
         for leftover in (runc.log_path(req.container_id),):
             try:
@@ -262,6 +262,8 @@ class AgentService:
 
 
 def _power_off() -> None:
+    import ctypes  # only now: every import before the agent serves costs boot time
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.reboot(0x4321FEDC)  # LINUX_REBOOT_CMD_POWER_OFF
 
