@@ -92,13 +92,18 @@ class Sandbox:
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
-        self.record_vm(info.online_cpus, info.memory_total_bytes)
+        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
 
-    def record_vm(self, online_cpus: int, memory_total_bytes: int) -> None:
-        """What the guest reports it has, next to the plan, for `podvmctl status`."""
-        self._state["vm"] = {"online_cpus": online_cpus,
-                             "memory_total_mib": memory_total_bytes >> 20,
-                             "at": time.time()}
+    def record_vm(self, online_cpus: int, memory_total_bytes: int,
+                  qemu_size: tuple[int, int] | None = None) -> None:
+        """What the guest reports it has and what QEMU says it gave (vCPUs present,
+        memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
+        shim holds its only connection)."""
+        vm = self._state["vm"]
+        vm.update(online_cpus=online_cpus, memory_total_mib=memory_total_bytes >> 20,
+                  at=time.time())
+        if qemu_size is not None:
+            vm["qemu_vcpus"], vm["qemu_memory_mib"] = qemu_size
         self._persist()
 
     async def resize(self, delta: PlanDelta) -> None:
@@ -171,7 +176,8 @@ class Sandbox:
         before = self._state["vm"].get("memory_total_mib", 0) << 20
         info = await self.agent.online(
             cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
-        self.record_vm(info.online_cpus, info.memory_total_bytes)
+        assert self.vm is not None
+        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
         if info.online_cpus != vcpus:
             raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
                                   f"{vcpus}")

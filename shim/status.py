@@ -112,6 +112,20 @@ def differences(report: dict) -> list[str]:
     if plan and vm.get("online_cpus") and vm["online_cpus"] != plan.get("vcpus"):
         out.append(f"vCPUs: the plan says {plan.get('vcpus')}, the guest has "
                    f"{vm['online_cpus']} online")
+    if plan and vm.get("qemu_memory_mib") and vm["qemu_memory_mib"] != plan.get("memory_mib"):
+        out.append(f"memory: the plan says {plan.get('memory_mib')} MiB, QEMU gave the VM "
+                   f"{vm['qemu_memory_mib']} MiB")
+    k8s = kubernetes_view(plan)
+    if k8s and limits:
+        if k8s["memory_mib"] and limits.get("memory_limit_bytes") is not None and \
+                limits["memory_limit_bytes"] // MIB != k8s["memory_mib"]:
+            out.append(f"memory: Kubernetes counts {k8s['memory_mib']} MiB for the pod "
+                       f"(limits + overhead), the host gives "
+                       f"{limits['memory_limit_bytes'] // MIB} MiB")
+        quota, period = limits.get("cpu_quota_us"), limits.get("cpu_period_us")
+        if k8s["cpus"] and quota and period and abs(quota / period - k8s["cpus"]) > 0.01:
+            out.append(f"cpu: Kubernetes counts {k8s['cpus']:g} CPUs for the pod (limits + "
+                       f"overhead), the host's quota is {quota / period:g}")
     for t in (report.get("cgroup") or {}).get("threads", []):
         expected = {"vcpu": ("vcpus",), "shim": ("sandbox", "vmm", "outside")}.get(
             t["role"], ("vmm",))
@@ -129,6 +143,18 @@ def _relative(groups: dict[str, str], sandbox: str) -> str:
             path = path[len(sandbox) + 1:] or "."
         by_path.setdefault(path, []).append(controller)
     return "; ".join(f"{','.join(cs)}: {p}" for p, cs in sorted(by_path.items()))
+
+
+def kubernetes_view(plan: dict) -> dict:
+    """The pod as Kubernetes counts it: the containers' limits plus the RuntimeClass
+    overhead the plan expects; 0 where the pod has no limit."""
+    if not plan:
+        return {}
+    memory = plan.get("workload_memory_mib", 0)
+    cpus = plan.get("workload_cpus", 0.0)
+    return {"memory_mib": memory + plan["overhead_memory_mib"] if memory else 0,
+            "cpus": round(cpus + plan["overhead_cpu_millis"] / 1000, 3)
+            if plan["cgroup_cpu_quota"] > 0 else 0.0}
 
 
 def _mib(value: int | None) -> str:
@@ -152,8 +178,16 @@ def render(report: dict) -> str:
             f"{plan['overhead_memory_mib']}Mi, cpu {plan['overhead_cpu_millis']}m"]
         lines += [f"  why: {line}" for line in plan.get("explanation", [])]
     if vm:
-        lines.append(f"VM (as the guest reports): {vm.get('online_cpus')} vCPUs online, "
-                     f"MemTotal {vm.get('memory_total_mib')} MiB")
+        lines.append(f"VM: QEMU gave it {vm.get('qemu_vcpus', '?')} vCPUs and "
+                     f"{vm.get('qemu_memory_mib', '?')} MiB; the guest has "
+                     f"{vm.get('online_cpus')} vCPUs online, MemTotal "
+                     f"{vm.get('memory_total_mib')} MiB")
+    k8s = kubernetes_view(plan)
+    if k8s:
+        lines.append("Kubernetes counts the pod as: cpu " + (
+            f"{k8s['cpus']:g}" if k8s["cpus"] else "no limit") + ", memory " + (
+            f"{k8s['memory_mib']} MiB" if k8s["memory_mib"] else "no limit") +
+            " (limits + RuntimeClass overhead)")
     cg = report.get("cgroup")
     if cg:
         lim = cg["limits"]

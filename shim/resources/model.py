@@ -94,6 +94,10 @@ class SandboxPlan:
     overhead_memory_mib: int
     """What the RuntimeClass should declare as overhead.podFixed.memory."""
     overhead_cpu_millis: int
+    workload_cpus: float = 0.0
+    """What the pod's containers ask for (its limits; shares without a quota): with the
+    overhead, Kubernetes' view of the pod."""
+    workload_memory_mib: int = 0
     explanation: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -168,6 +172,7 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                        cgroup_cpu_period=period, cgroup_cpu_shares=shares,
                        cgroup_memory_limit=memory_limit, cpuset=pod.cpuset,
                        overhead_memory_mib=overhead_memory, overhead_cpu_millis=overhead_cpu,
+                       workload_cpus=round(workload_cpus, 3), workload_memory_mib=workload_mib,
                        explanation=tuple(why))
 
 

@@ -106,6 +106,10 @@ def test_static_pod_is_sized_at_boot_and_refuses_growth(static_ctd, tmp_path) ->
         assert 768 - 200 < mem <= 768  # MemTotal: the VM's memory less the kernel's own
         report = status.collect(status.find(pod_id, CRI_NAMESPACE))
         assert (report["plan"]["vcpus"], report["plan"]["memory_mib"]) == (4, 768)
+        assert (report["vm"]["qemu_vcpus"], report["vm"]["qemu_memory_mib"]) == (4, 768)
+        # Kubernetes' view (limits + the overhead the plan declares) is what the host gives
+        assert status.kubernetes_view(report["plan"]) == {"cpus": 3.5, "memory_mib": 1024}
+        assert report["cgroup"]["limits"]["memory_limit_bytes"] == 1024 * MIB
         assert report["differences"] == []
         grow = crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "400000", cid,
                           check=False)
