@@ -4,6 +4,7 @@ and each container's resources. Every change (a container created, updated or re
 re-plans from all of them with the pure model; the service then applies the delta."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Callable, Mapping
 
@@ -105,6 +106,21 @@ class PodPlanner:
         self.containers = dict(containers)
         if sandbox is not None:
             self.sandbox = sandbox
+
+
+def parse_linux_resources(raw: bytes) -> tuple[dict, ContainerResources]:
+    """An OCI LinuxResources object as JSON (as Task.Update and UpdateSandbox carry it):
+    the object, and what the model takes from it. ValueError saying what is wrong."""
+    try:
+        resources = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise ValueError(f"resources are not JSON: {exc}") from None
+    if not isinstance(resources, dict):
+        raise ValueError("resources must be a LinuxResources object")
+    try:
+        return resources, from_linux_resources(resources)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad resources: {exc}") from None
 
 
 def resources_of(spec: dict) -> ContainerResources:

@@ -232,31 +232,25 @@ class SandboxService:
         """New pod totals (LinuxResources JSON or a PodSandboxConfig): re-plan and apply
         through the same path as Task.Update."""
         self._check(req.sandbox_id, Phase.READY)
-        from .resources.model import from_linux_resources
+        from .podplan import parse_linux_resources
 
         url = req.resources.type_url
         if url.endswith(POD_SANDBOX_CONFIG):
             r = _pod_config(req.resources).linux.resources
-            resources = {"cpu": {"quota": r.cpu_quota, "period": r.cpu_period,
-                                 "shares": r.cpu_shares, "cpus": r.cpuset_cpus},
-                         "memory": {"limit": r.memory_limit_in_bytes}}
+            raw = json.dumps({"cpu": {"quota": r.cpu_quota, "period": r.cpu_period,
+                                      "shares": r.cpu_shares, "cpus": r.cpuset_cpus},
+                              "memory": {"limit": r.memory_limit_in_bytes}}).encode()
         elif url.endswith(LINUX_RESOURCES):
-            try:
-                resources = json.loads(req.resources.value)
-                if not isinstance(resources, dict):
-                    raise ValueError("not a LinuxResources object")
-            except ValueError as exc:
-                raise TtrpcError(Code.INVALID_ARGUMENT,
-                                 f"update of sandbox {self.id}: {exc}") from None
+            raw = req.resources.value
         else:
             raise TtrpcError(Code.INVALID_ARGUMENT,
                              f"update of sandbox {self.id}: resources of type {url!r}; "
                              f"podvm takes {LINUX_RESOURCES} or {POD_SANDBOX_CONFIG}")
         try:
-            wanted = from_linux_resources(resources)
-        except (TypeError, ValueError) as exc:
+            _, wanted = parse_linux_resources(raw)
+        except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT,
-                             f"update of sandbox {self.id}: bad resources: {exc}") from None
+                             f"update of sandbox {self.id}: {exc}") from None
         assert self._planner is not None
         if req.annotations:
             self._planner.annotations.update(req.annotations)

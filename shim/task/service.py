@@ -533,19 +533,12 @@ class TaskService:
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")
+        from ..podplan import parse_linux_resources
+
         try:
-            resources = json.loads(req.resources.value) if req.resources.value else {}
+            resources, wanted = parse_linux_resources(req.resources.value)
         except ValueError as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT,
-                             f"update of {req.id}: resources are not JSON: {exc}") from None
-        if not isinstance(resources, dict):
-            raise TtrpcError(Code.INVALID_ARGUMENT,
-                             f"update of {req.id}: resources must be a LinuxResources object")
-        try:
-            wanted = from_linux_resources(resources)
-        except (TypeError, ValueError) as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT,
-                             f"update of {req.id}: bad resources: {exc}") from None
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"update of {req.id}: {exc}") from None
         planner = self._planner
         before = None
         if planner is not None:
