@@ -1,84 +1,128 @@
-"""The "Mind the Gap" experiment (SoCC '21) on this machine: does a pod get the CPU it
-requested when noisy neighbours share the node? CPU shares promise a proportion of
-contended time; exclusive CPUs (podvm's cpu_reservation = "exclusive") promise the CPUs.
+"""The "Mind the Gap" experiment (Liu et al., SoCC '21) on this machine: does a pod get the
+CPU it requested when noisy neighbours share the node? CPU shares promise a proportion of
+contended time, per runqueue; exclusive CPUs (podvm's cpu_reservation = "exclusive")
+promise the CPUs themselves.
 
-Pods are host cgroups made the way podvm makes a sandbox cgroup (the `cgroups` package,
-v1 or v2, whatever this host has), without VMs so the figures are about scheduling:
-- target pod: requests 1 CPU. Workloads, one at a time: a single-threaded batch loop
-  (CPU received / CPU requested) and an interactive one (sleeps 1 ms, measures how late
-  it wakes: p50/p99).
-- neighbour pods: "burstable" (request 0.5 CPU, no limit) and "capped" (request 0.5 CPU,
-  limited to all CPUs but one), each with 2 busy processes per CPU of the machine.
-- modes: "shares" (cpu.shares / cpu.weight from the requests, as kubelet sets them) and
-  "exclusive" (the target holds one CPU from podvm's allocator, neighbours get the rest).
-Everything it creates is removed at the end, also on Ctrl-C.
+Pods are host cgroups made by the cgroups package podvm uses (v1 or v2, whatever this
+host has), under a private parent, without VMs: the figures are about the scheduler.
+- target pod: requests 1 CPU, limited to 1 CPU. Workloads, one after the other: a
+  single-threaded batch loop (CPU received / CPU requested) and an interactive one that
+  sleeps 1 ms in a loop and measures how late it wakes up (p50, p99).
+- neighbour pods fill the rest of the machine without over-committing it: "burstable"
+  requests half of the other CPUs and has no limit, "capped" requests the other half and
+  is limited to it. Together they run --threads-per-cpu busy threads per CPU of the
+  machine (x2 by default: the many-threaded neighbour the paper found most harmful).
+- settings: "alone" (no neighbours), "shares" (cpu.shares / cpu.weight from the requests,
+  as kubelet sets them) and "exclusive" (the target's CPU comes from podvm's allocator,
+  the neighbours get the shared pool: on 2 CPUs the target has CPU 1, they have CPU 0).
+It scales to the machine's CPUs; on a 2-CPU machine it only shows the method. Everything it
+creates is removed at the end, also on Ctrl-C or SIGTERM; busy neighbours die with it even
+on SIGKILL, and cgroups left by a killed run are removed by the next one.
 
-usage: python bench/reservation.py [--seconds S]
+usage: sudo python3 bench/reservation.py [--seconds S] [--threads-per-cpu N]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
+from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import cgroups  # noqa: E402
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout  # noqa: E402
-from cgroups.limits import format_cpu_list  # noqa: E402
 from shim.cpus.allocator import Allocator  # noqa: E402
+from shim.cpus.cpuset import format_cpu_list  # noqa: E402
 
-BUSY = "while True: pass"
-BATCH = """import json, sys, time
-start = time.monotonic()
-end = start + float(sys.argv[1])
+PARENT_PREFIX = "podvm-reservation-"
+PERIOD_US = 100_000
+TICKS = os.sysconf("SC_CLK_TCK")
+
+# Every workload dies with the bench (PR_SET_PDEATHSIG) and stops by itself at a deadline.
+PRELUDE = """import ctypes, json, os, sys, time
+ctypes.CDLL(None).prctl(1, 9)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+seconds = float(sys.argv[2])
+"""
+BUSY = PRELUDE + """end = time.monotonic() + seconds
+while time.monotonic() < end:
+    pass
+"""
+BATCH = PRELUDE + """start = time.monotonic()
+end = start + seconds
 while time.monotonic() < end:
     pass
 print(json.dumps({"cpu": time.process_time(), "wall": time.monotonic() - start}))
 """
-INTERACTIVE = """import json, sys, time
-end, late = time.monotonic() + float(sys.argv[1]), []
+INTERACTIVE = PRELUDE + """end, late = time.monotonic() + seconds, []
 while time.monotonic() < end:
     t = time.perf_counter()
     time.sleep(0.001)
     late.append(time.perf_counter() - t - 0.001)
 late.sort()
-print(json.dumps({"p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)],
-                  "n": len(late)}))
+print(json.dumps({"p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}))
 """
 
 
-def cpu_model() -> str:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+@dataclass(frozen=True)
+class PodShape:
+    name: str
+    request: float
+    """CPUs requested: cpu.shares = 1024 per CPU."""
+    limit: float | None
+    """CPUs allowed by the CFS quota; None: no limit."""
+    threads: int
+
+    @property
+    def shares(self) -> int:
+        return max(2, round(self.request * 1024))
+
+    @property
+    def quota_us(self) -> int | None:
+        return None if self.limit is None else max(1000, round(self.limit * PERIOD_US))
+
+
+def shapes(cpus: int, threads_per_cpu: int) -> tuple[PodShape, list[PodShape]]:
+    """The target and its neighbours on a machine with `cpus` CPUs: the requests add up
+    to the machine, no more; the neighbours' threads oversubscribe it."""
+    rest = cpus - 1
+    threads = max(2, threads_per_cpu * cpus)
+    target = PodShape("target", 1.0, 1.0, 1)
+    return target, [PodShape("burstable", rest / 2, None, threads - threads // 2),
+                    PodShape("capped", rest / 2, rest / 2, threads // 2)]
 
 
 class Node:
-    """The pods of one experiment, under a private parent cgroup."""
+    """The pods of one setting, under a private parent cgroup named after this process."""
 
-    def __init__(self) -> None:
-        self.parent = f"/podvm-reservation-{uuid.uuid4().hex[:8]}"
-        self.manager = cgroups.detect()
+    def __init__(self, manager: cgroups.CgroupManager) -> None:
+        self.manager = manager
+        self.parent = f"/{PARENT_PREFIX}{os.getpid()}"
         self.pods: list[SandboxCgroup] = []
         self.procs: list[subprocess.Popen] = []
 
-    def pod(self, name: str, limits: CgroupLimits) -> SandboxCgroup:
-        limits = limits.restricted_to(self.manager.controllers)
-        pod = SandboxCgroup.create(SandboxLayout(self.parent, name), limits, self.manager)
+    def pod(self, shape: PodShape, cpuset: str | None) -> SandboxCgroup:
+        limits = CgroupLimits(cpu_shares=shape.shares, cpu_quota_us=shape.quota_us,
+                              cpu_period_us=PERIOD_US if shape.quota_us else None,
+                              cpuset_cpus=cpuset).restricted_to(self.manager.controllers)
+        pod = SandboxCgroup.create(SandboxLayout(self.parent, shape.name), limits,
+                                   self.manager)
         self.pods.append(pod)
         return pod
 
-    def run(self, pod: SandboxCgroup, code: str, *args: str, **kw) -> subprocess.Popen:
-        proc = pod.spawn([sys.executable, "-c", code, *args], **kw)
+    def run(self, pod: SandboxCgroup, code: str, seconds: float, **kw) -> subprocess.Popen:
+        proc = pod.spawn([sys.executable, "-c", code, str(os.getpid()), str(seconds)], **kw)
         self.procs.append(proc)
         return proc
 
@@ -89,78 +133,149 @@ class Node:
             proc.wait()
         for pod in self.pods:
             pod.destroy()
-        if isinstance(self.manager, cgroups.CgroupV2Manager):
-            directories = [self.manager.hierarchy.directory(self.parent)]
-        else:
-            directories = [h.directory(self.parent) for h in self.manager.hierarchies]
-        for directory in directories:  # the parent the pods were made under
-            try:
+        remove_tree(self.manager, self.parent)
+
+
+def hierarchy_roots(manager: cgroups.CgroupManager) -> list[str]:
+    if isinstance(manager, cgroups.CgroupV2Manager):
+        return [manager.hierarchy.directory("/")]
+    return [h.directory("/") for h in manager.hierarchies]
+
+
+def remove_tree(manager: cgroups.CgroupManager, path: str) -> None:
+    """rmdir a cgroup and everything under it, deepest first, in every hierarchy."""
+    for root in hierarchy_roots(manager):
+        top = os.path.join(root, path.lstrip("/"))
+        for directory, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+            with contextlib.suppress(FileNotFoundError):
                 os.rmdir(directory)
-            except FileNotFoundError:
-                pass
 
 
-def experiment(mode: str | None, seconds: float, cpus: list[int]) -> dict:
-    """mode None: the target alone. Returns the target's figures."""
-    node = Node()
+def sweep_stale(manager: cgroups.CgroupManager) -> None:
+    """Parents left by runs that were killed (their pid is gone)."""
+    for root in hierarchy_roots(manager):
+        for name in os.listdir(root):
+            pid = name.removeprefix(PARENT_PREFIX)
+            if name.startswith(PARENT_PREFIX) and pid.isdigit() and \
+                    not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    remove_tree(manager, "/" + name)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of live processes, from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
+def affinity(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return format_cpu_list(os.sched_getaffinity(pid))
+    return "?"
+
+
+def setting(mode: str, seconds: float, cpus: int, threads_per_cpu: int,
+            manager: cgroups.CgroupManager) -> dict:
+    """One setting ("alone", "shares", "exclusive"): the target's figures, the
+    neighbours' CPU received / requested, and where each ran."""
+    node = Node(manager)
+    allocator_dir = tempfile.mkdtemp(prefix="podvm-bench-cpus-")
     try:
-        target_limits = CgroupLimits(cpu_shares=1024)
-        others: str | None = None
+        target_shape, neighbour_shapes = shapes(cpus, threads_per_cpu)
+        mine = others = None
         if mode == "exclusive":
-            allocator = Allocator(tempfile.mkdtemp(prefix="podvm-bench-cpus-"))
-            mine = allocator.reserve("target", 1)
-            target_limits = CgroupLimits(cpu_shares=1024, cpuset_cpus=format_cpu_list(mine))
+            allocator = Allocator(allocator_dir, pool=format_cpu_list(os.sched_getaffinity(0)))
+            mine = format_cpu_list(allocator.reserve("target", 1))
             others = format_cpu_list(allocator.shared_pool())
-        target = node.pod("target", target_limits)
-        if mode is not None:
-            threads = 2 * len(cpus)
-            burstable = node.pod("burstable", CgroupLimits(cpu_shares=512, cpuset_cpus=others))
-            capped = node.pod("capped", CgroupLimits(
-                cpu_shares=512, cpuset_cpus=others,
-                cpu_quota_us=max(1, len(cpus) - 1) * 100_000, cpu_period_us=100_000))
-            for pod in (burstable, capped):
-                for _ in range(threads):
-                    node.run(pod, BUSY)
+        target = node.pod(target_shape, mine)
+        neighbours: list[tuple[PodShape, list[int]]] = []
+        if mode != "alone":
+            for shape in neighbour_shapes:
+                pod = node.pod(shape, others)
+                neighbours.append((shape, [node.run(pod, BUSY, 2 * seconds + 60).pid
+                                           for _ in range(shape.threads)]))
             time.sleep(0.5)  # the neighbours are running before the target starts
-        batch = node.run(target, BATCH, str(seconds), stdout=subprocess.PIPE, text=True)
+        before = [cpu_seconds(pids) for _, pids in neighbours]
+        start = time.monotonic()
+        batch = node.run(target, BATCH, seconds, stdout=subprocess.PIPE, text=True)
+        where = {"target": affinity(batch.pid)}
+        where.update({shape.name: affinity(pids[0]) for shape, pids in neighbours})
         ran = json.loads(batch.communicate()[0])
-        inter = node.run(target, INTERACTIVE, str(seconds), stdout=subprocess.PIPE, text=True)
-        out, _ = inter.communicate()
-        latency = json.loads(out)
-        return {"cpu_ratio": ran["cpu"] / ran["wall"], "p50_ms": latency["p50"] * 1000,
-                "p99_ms": latency["p99"] * 1000}
+        inter = node.run(target, INTERACTIVE, seconds, stdout=subprocess.PIPE, text=True)
+        latency = json.loads(inter.communicate()[0])
+        wall = time.monotonic() - start
+        received = {shape.name: (cpu_seconds(pids) - b) / wall / shape.request
+                    for (shape, pids), b in zip(neighbours, before)}
+        return {"mode": mode, "cpu_ratio": ran["cpu"] / ran["wall"] / target_shape.request,
+                "p50_ms": latency["p50"] * 1000, "p99_ms": latency["p99"] * 1000,
+                "neighbours": received, "where": where}
     finally:
         node.close()
+        shutil.rmtree(allocator_dir, ignore_errors=True)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+def cpu_model() -> str:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+HEADER = (f"{'setting':<10} {'CPU recv/req':>12} {'vs alone':>8} {'wake p50 ms':>11} "
+          f"{'p99 ms':>8} {'p99 vs alone':>12}  {'neighbours recv/req':<30} where (CPUs)")
+
+
+def row(r: dict, alone: dict) -> str:
+    neighbours = ", ".join(f"{n} {v:.2f}" for n, v in r["neighbours"].items()) or "-"
+    where = ", ".join(f"{n} {c}" for n, c in r["where"].items())
+    return (f"{r['mode']:<10} {r['cpu_ratio']:>12.2f} "
+            f"{r['cpu_ratio'] / max(alone['cpu_ratio'], 1e-9) * 100:>7.0f}% "
+            f"{r['p50_ms']:>11.3f} {r['p99_ms']:>8.3f} "
+            f"{r['p99_ms'] / max(alone['p99_ms'], 1e-9):>11.1f}x  {neighbours:<30} {where}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    intro, _, details = (__doc__ or "").partition("\n\n")
+    p = argparse.ArgumentParser(description=intro, epilog=details,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=8,
-                   help="seconds each workload runs in each setting (default 8)")
-    args = p.parse_args()
+                   help="seconds each workload runs in each setting; a run takes about 6x "
+                        "this plus a few seconds (default 8)")
+    p.add_argument("--threads-per-cpu", type=int, default=2,
+                   help="neighbours' busy threads per CPU of the machine (default 2)")
+    args = p.parse_args(argv)
+    if args.seconds <= 0 or args.threads_per_cpu < 1:
+        p.error("--seconds must be > 0 and --threads-per-cpu at least 1")
     if os.geteuid() != 0:
         print("reservation.py: needs root (it makes cgroups)", file=sys.stderr)
         return 1
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        print("reservation.py: needs at least 2 CPUs", file=sys.stderr)
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        print(f"reservation.py: needs at least 2 CPUs, this process may use {cpus}",
+              file=sys.stderr)
         return 1
-    print(f"machine: {len(cpus)} CPUs ({cpu_model()}), kernel {platform.release()}, "
-          f"cgroup v{cgroups.detect().version}; "
-          f"neighbours: 2 pods x {2 * len(cpus)} busy processes")
-    rows = []
-    for label, mode in (("alone", None), ("shares, co-located", "shares"),
-                        ("exclusive, co-located", "exclusive")):
-        r = experiment(mode, args.seconds, cpus)
-        rows.append((label, r))
-        print(f"  {label:<24} CPU received / requested {r['cpu_ratio']:5.2f}   wake-up "
-              f"latency p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:8.3f} ms", flush=True)
-    alone = rows[0][1]
-    for label, r in rows[1:]:
-        print(f"  {label}: p99 wake-up {r['p99_ms'] / max(alone['p99_ms'], 1e-6):.1f}x alone, "
-              f"CPU {r['cpu_ratio'] / alone['cpu_ratio'] * 100:.0f}% of alone")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    manager = cgroups.detect()
+    sweep_stale(manager)
+    target, neighbours = shapes(cpus, args.threads_per_cpu)
+    print(f"machine: {cpus} CPUs of {os.cpu_count()} ({cpu_model()}), kernel "
+          f"{platform.release()}, cgroup v{manager.version}")
+    print(f"target requests {target.request:g} CPU (limit {target.limit:g}); neighbours: " +
+          ", ".join(f"{n.name} requests {n.request:g} CPU "
+                    f"({'no limit' if n.limit is None else f'limit {n.limit:g}'}), "
+                    f"{n.threads} busy threads" for n in neighbours) +
+          f"; {args.seconds:g} s per workload", flush=True)
+    print(HEADER, flush=True)
+    alone = None
+    for mode in ("alone", "shares", "exclusive"):
+        r = setting(mode, args.seconds, cpus, args.threads_per_cpu, manager)
+        alone = alone or r
+        print(row(r, alone), flush=True)
     return 0
 
 

@@ -113,6 +113,7 @@ CONTROLLER_OF_FIELD: dict[str, str] = {
     "memory_limit_bytes": "memory",
     "pids_limit": "pids",
     "cpuset_cpus": "cpuset",
+    "vmm_cpuset_cpus": "cpuset",
     "cpuset_mems": "cpuset",
     "devices": "devices",
 }
@@ -129,6 +130,9 @@ class CgroupLimits:
     memory_limit_bytes: int | None = None
     pids_limit: int | None = None
     cpuset_cpus: str | None = None
+    """The vCPUs' CPUs (vcpus/), and vmm/'s unless vmm_cpuset_cpus is set."""
+    vmm_cpuset_cpus: str | None = None
+    """CPUs of its own for vmm/ (QEMU's other threads: an overhead CPU set)."""
     cpuset_mems: str | None = None
     devices: tuple[DeviceRule, ...] | None = field(default=None)
     """cgroup v1 only: the allow-list (everything else denied); QEMU_DEVICES for a VM."""
@@ -154,7 +158,7 @@ class CgroupLimits:
         if self.pids_limit is not None and self.pids_limit <= 0:
             raise InvalidLimits(f"pids_limit {self.pids_limit}: must be > 0 (None for "
                                 f"unlimited)")
-        for name in ("cpuset_cpus", "cpuset_mems"):
+        for name in ("cpuset_cpus", "vmm_cpuset_cpus", "cpuset_mems"):
             value = getattr(self, name)
             if value is None:
                 continue

@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 from .errors import CgroupError, InvalidLimits, ProcessGone
 from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
                  remove_dir, write_id, write_value)
-from .layout import CHILDREN, SandboxLayout
+from .layout import CHILDREN, VCPUS, VMM, SandboxLayout
 from .limits import (DEFAULT_PERIOD_US, DEFAULT_SHARES, CgroupLimits, format_cpu_list,
                      or_max, parse_cpu_list)
 from .manager import CgroupManager
@@ -174,34 +174,34 @@ class CgroupV1Manager(CgroupManager):
                           str(limits.cpu_shares or DEFAULT_SHARES))
 
     def _cpuset_targets(self, layout: SandboxLayout,
-                        limits: CgroupLimits) -> dict[str, str]:
+                        limits: CgroupLimits) -> dict[str, dict[str, str]]:
+        """File -> child -> value; vmm/ may have CPUs of its own (vmm_cpuset_cpus)."""
         pod = self._dir("cpuset", layout.pod_cgroup)
-        targets = {}
+        targets: dict[str, dict[str, str]] = {}
         for name, wanted in zip(CPUSET_FILES, (limits.cpuset_cpus, limits.cpuset_mems)):
             allowed_text = read_value(os.path.join(pod, name))
-            if wanted is None:
-                targets[name] = allowed_text
-                continue
-            extra = parse_cpu_list(wanted) - parse_cpu_list(allowed_text)
-            if extra:
-                raise InvalidLimits(f"{name} {wanted!r} is not within the pod cgroup's "
-                                    f"{allowed_text!r} ({os.path.join(pod, name)})")
-            targets[name] = wanted
+            own = limits.vmm_cpuset_cpus if name == "cpuset.cpus" else None
+            for value in (wanted, own):
+                extra = parse_cpu_list(value or "") - parse_cpu_list(allowed_text)
+                if extra:
+                    raise InvalidLimits(f"{name} {value!r} is not within the pod cgroup's "
+                                        f"{allowed_text!r} ({os.path.join(pod, name)})")
+            shared = wanted if wanted is not None else allowed_text
+            targets[name] = {VCPUS: shared, VMM: own if own is not None else shared}
         return targets
 
     def _apply_cpuset(self, tx: Transaction, layout: SandboxLayout,
-                      targets: dict[str, str]) -> None:
+                      targets: dict[str, dict[str, str]]) -> None:
         """A child's cpuset must stay within its parent's at every step: widen the sandbox
-        to old + new, set the children, then narrow the sandbox to new."""
+        to old + new, set the children, then narrow the sandbox to the children's union."""
         sandbox = self._dir("cpuset", layout.sandbox)
-        children = [self._dir("cpuset", layout.child(c)) for c in CHILDREN]
-        for name, wanted in targets.items():
+        for name, by_child in targets.items():
             current = parse_cpu_list(read_value(os.path.join(sandbox, name)))
-            new = parse_cpu_list(wanted)
-            union = current | new
-            tx.write_if_changed(os.path.join(sandbox, name), format_cpu_list(union))
-            for child in children:
-                tx.write_if_changed(os.path.join(child, name), format_cpu_list(new))
+            new = frozenset().union(*(parse_cpu_list(v) for v in by_child.values()))
+            tx.write_if_changed(os.path.join(sandbox, name), format_cpu_list(current | new))
+            for child, value in by_child.items():
+                tx.write_if_changed(os.path.join(self._dir("cpuset", layout.child(child)), name),
+                                    format_cpu_list(parse_cpu_list(value)))
             tx.write_if_changed(os.path.join(sandbox, name), format_cpu_list(new))
 
     def _apply_devices(self, tx: Transaction, directory: str, limits: CgroupLimits) -> None:

@@ -12,8 +12,8 @@ from typing import Mapping
 from .errors import CgroupError, CgroupIOError, InvalidLimits, ProcessGone
 from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
                  remove_dir, write_id, write_value)
-from .layout import CHILDREN, SandboxLayout
-from .limits import DEFAULT_PERIOD_US, CgroupLimits, or_max, parse_cpu_list
+from .layout import CHILDREN, VMM, SandboxLayout
+from .limits import DEFAULT_PERIOD_US, CgroupLimits, format_cpu_list, or_max, parse_cpu_list
 from .manager import CgroupManager
 from .mounts import Hierarchy
 from .procs import UNIFIED, process_of
@@ -132,9 +132,15 @@ class CgroupV2Manager(CgroupManager):
         writes = []
         for name, wanted in (("cpuset.cpus", limits.cpuset_cpus),
                              ("cpuset.mems", limits.cpuset_mems)):
+            own = limits.vmm_cpuset_cpus if name == "cpuset.cpus" else None
             for path in [layout.sandbox] + [layout.child(c) for c in CHILDREN]:
                 target = os.path.join(self._dir(path), name)
                 value = wanted
+                if path == layout.child(VMM) and own is not None:
+                    value = own
+                elif path == layout.sandbox and own is not None:
+                    value = format_cpu_list(parse_cpu_list(wanted or read_value(
+                        os.path.join(pod, f"{name}.effective"))) | parse_cpu_list(own))
                 if value is None:
                     value = read_value(target) and read_value(
                         os.path.join(pod, f"{name}.effective"))
@@ -146,9 +152,11 @@ class CgroupV2Manager(CgroupManager):
         ones is there; refuse instead."""
         pod = self._dir(layout.pod_cgroup)
         for name, wanted in (("cpuset.cpus", limits.cpuset_cpus),
+                             ("cpuset.vmm", limits.vmm_cpuset_cpus),
                              ("cpuset.mems", limits.cpuset_mems)):
             if wanted is None:
                 continue
+            name = "cpuset.cpus" if name == "cpuset.vmm" else name
             effective_file = os.path.join(pod, f"{name}.effective")
             allowed = read_value(effective_file)
             extra = parse_cpu_list(wanted) - parse_cpu_list(allowed)

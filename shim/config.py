@@ -49,6 +49,8 @@ class RuntimeConfig:
     itself, the others share what is left."""
     reserved_cpus: str = ""
     """Host CPUs never given to a pod in exclusive mode (kubelet's reserved-cpus)."""
+    overhead_cpus: str = ""
+    """Host CPUs for QEMU's threads other than vCPUs (vmm/); empty: the vCPUs' CPUs."""
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,15 @@ def _check(config: Config, source: str) -> None:
     if config.runtime.cpu_reservation not in _RESERVATIONS:
         raise ConfigError(f"{source}: [runtime] cpu_reservation must be one of "
                           f"{', '.join(_RESERVATIONS)}, got {config.runtime.cpu_reservation!r}")
-    if config.runtime.reserved_cpus:
-        from cgroups.limits import parse_cpu_list
+    for key in ("reserved_cpus", "overhead_cpus"):
+        value = getattr(config.runtime, key)
+        if value:
+            from cgroups.limits import parse_cpu_list
 
-        try:
-            parse_cpu_list(config.runtime.reserved_cpus)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: [runtime] reserved_cpus: {exc}") from None
+            try:
+                parse_cpu_list(value)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: [runtime] {key}: {exc}") from None
     if q.memory_overhead < 0:
         raise ConfigError(f"{where} memory_overhead is in MiB, 0 for podvm's measured "
                           f"figure, got {q.memory_overhead}")

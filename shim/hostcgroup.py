@@ -31,10 +31,12 @@ def layout_for(cgroups_path: str, sandbox_id: str) -> SandboxLayout:
     return SandboxLayout.from_cgroups_path(cgroups_path, sandbox_id)
 
 
-def limits_for(plan: SandboxPlan, version: int) -> CgroupLimits:
-    """The plan's sandbox cgroup numbers in the cgroups package's terms (None: unlimited)."""
+def limits_for(plan: SandboxPlan, version: int, overhead_cpus: str = "") -> CgroupLimits:
+    """The plan's sandbox cgroup numbers in the cgroups package's terms (None: unlimited);
+    `overhead_cpus`: vmm/'s own CPUs (QEMU's non-vCPU threads), else the vCPUs' set."""
     quota = plan.cgroup_cpu_quota if plan.cgroup_cpu_quota > 0 else None
     return CgroupLimits(
+        vmm_cpuset_cpus=overhead_cpus or None,
         cpu_quota_us=quota,
         cpu_period_us=plan.cgroup_cpu_period if quota else None,
         cpu_shares=plan.cgroup_cpu_shares,
@@ -46,10 +48,12 @@ def limits_for(plan: SandboxPlan, version: int) -> CgroupLimits:
 class HostCgroup:
     """One sandbox's cgroups on the host, plus the shim's own place."""
 
-    def __init__(self, layout: SandboxLayout, shim_in_sandbox: bool) -> None:
+    def __init__(self, layout: SandboxLayout, shim_in_sandbox: bool,
+                 overhead_cpus: str = "") -> None:
         self.manager = cgroups.detect()
         self.layout = layout
         self.shim_in_sandbox = shim_in_sandbox
+        self.overhead_cpus = overhead_cpus
         self.overhead = None if shim_in_sandbox else SandboxLayout(OVERHEAD_CGROUP,
                                                                    layout.sandbox_id)
         self.sandbox: SandboxCgroup | None = None
@@ -68,7 +72,7 @@ class HostCgroup:
     def create(self, plan: SandboxPlan) -> None:
         """The sandbox cgroup with the plan's limits, and the shim moved in (or into its
         overhead cgroup). All or nothing."""
-        limits = limits_for(plan, self.manager.version)
+        limits = limits_for(plan, self.manager.version, self.overhead_cpus)
         self.sandbox = SandboxCgroup.create(self.layout, limits, self.manager)
         try:
             if self.overhead is None:
@@ -133,7 +137,7 @@ class HostCgroup:
 
     def apply(self, plan: SandboxPlan) -> None:
         assert self.sandbox is not None
-        self.sandbox.apply(limits_for(plan, self.manager.version))
+        self.sandbox.apply(limits_for(plan, self.manager.version, self.overhead_cpus))
 
     def vcpu_cpus(self) -> frozenset[int]:
         """The CPUs the vcpus/ cgroup allows now, as the kernel has them."""

@@ -38,7 +38,8 @@ class Sandbox:
         self.config = config
         self.plan = plan
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
-                                 shim_in_sandbox=config.runtime.sandbox_cgroup_only)
+                                 shim_in_sandbox=config.runtime.sandbox_cgroup_only,
+                                 overhead_cpus=config.runtime.overhead_cpus)
         self.dir = paths.state_dir(namespace, sandbox_id)
         self.shared_dir = os.path.join(self.dir, "shared")
         self.vm_dir = os.path.join(self.dir, "vm")

@@ -42,14 +42,20 @@ def _ours() -> set[tuple[int, str]]:
             continue
         if "containerd-shim-podvm-v2" in cmdline or (
                 "qemu-system" in cmdline and "-name podvm-" in cmdline):
-            found.add((int(pid), cmdline))
+            try:
+                with open(f"/proc/{pid}/cgroup") as f:
+                    in_sandbox = ":/podvm" in f.read()  # a sandbox cgroup of ours
+            except OSError:
+                continue
+            found.add((int(pid), cmdline + (" [sandbox cgroup]" if in_sandbox else "")))
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_running(tmp_path_factory):
-    """A test run that leaves a shim daemon (of this run: its bundle is under this run's
-    temporary directory) or a pod QEMU behind fails, whichever test did it."""
+    """A test run that leaves a shim daemon or a pod QEMU behind fails, whichever test did
+    it. Theirs: a daemon's bundle or a QEMU's files under this run's temporary directory,
+    or a QEMU in a podvm sandbox cgroup (not VMs that other work on the machine runs)."""
     before = _ours()
     yield
     import time
@@ -58,7 +64,7 @@ def nothing_left_running(tmp_path_factory):
 
     def left() -> list:
         return sorted(p for p in _ours() - before
-                      if "qemu-system" in p[1] or base in p[1])
+                      if base in p[1] or p[1].endswith("[sandbox cgroup]"))
 
     deadline = time.monotonic() + 10
     while (found := left()) and time.monotonic() < deadline:

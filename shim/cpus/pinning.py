@@ -1,11 +1,12 @@
-"""Where each vCPU thread may run, and which vCPUs a container may use inside the guest.
-Pure but for `apply`.
+"""Where each vCPU thread may run, and which vCPUs a container may use inside the guest
+(resources.md section 4). Pure but for `apply`.
 
 Pinning (`enable_vcpus_pinning`): when the VM has as many online vCPUs as the pod's
 cpuset has CPUs, vCPU i runs on the i-th CPU of the set and nowhere else; otherwise every
 vCPU floats over the whole set. With vCPUs pinned, a container whose host cpuset is a
 part of the pod's is confined in the guest to the vCPUs pinned on its CPUs, so
-containers with disjoint cpusets never share a vCPU (kata-containers#5050)."""
+containers with disjoint cpusets never share a vCPU (kata-containers#5050, which Kata
+cannot do: it pins, but runs every container on every vCPU)."""
 from __future__ import annotations
 
 import logging
@@ -16,32 +17,48 @@ log = logging.getLogger("podvm.cpus")
 
 
 def pin_map(vcpu_threads: Sequence[int], online: int, cpuset: Iterable[int],
-            enabled: bool) -> dict[int, frozenset[int]]:
+            enabled: bool, everywhere: Iterable[int] = ()) -> dict[int, frozenset[int]]:
     """Thread id -> the CPUs it may run on. `vcpu_threads` are in vCPU index order; the
     first `online` of them are the vCPUs the guest uses (the others are offline and
-    asleep). An empty cpuset: no restriction, nothing to set."""
-    cpus = sorted(set(cpuset))
+    asleep, and float). An empty cpuset means no restriction: the threads float over
+    `everywhere` (the host's CPUs), because an affinity set earlier outlives a wider
+    cpuset and must be widened explicitly; nothing is set when that is empty too."""
+    wanted = sorted(set(cpuset))
+    cpus = wanted or sorted(set(everywhere))
     if not cpus:
         return {}
     whole = frozenset(cpus)
     pins = {tid: whole for tid in vcpu_threads}
-    if enabled and online == len(cpus):
+    if enabled and wanted and online == len(wanted):
         for tid, cpu in zip(vcpu_threads[:online], cpus):
             pins[tid] = frozenset({cpu})
     return pins
 
 
+def vcpus_by_host_cpu(vcpu_pins: Sequence[frozenset[int]]) -> dict[int, list[int]]:
+    """Host CPU -> the guest vCPU indexes pinned on it alone (floating vCPUs are on no
+    CPU in particular and appear nowhere)."""
+    found: dict[int, list[int]] = {}
+    for index, allowed in enumerate(vcpu_pins):
+        if len(allowed) == 1:
+            found.setdefault(next(iter(allowed)), []).append(index)
+    return found
+
+
 def guest_cpus(host_cpuset: Iterable[int], vcpu_pins: Sequence[frozenset[int]]) -> list[int]:
-    """The guest vCPU indexes a container with `host_cpuset` may use: those pinned to one
-    of its host CPUs. [] when none is (nothing pinned, or no overlap): no confinement."""
-    wanted = set(host_cpuset)
-    return [i for i, allowed in enumerate(vcpu_pins)
-            if len(allowed) == 1 and allowed <= wanted]
+    """The guest vCPU indexes a container with `host_cpuset` may use: those pinned on one
+    of its host CPUs. [] when none is (nothing pinned, or no overlap): no confinement,
+    the container may use every online vCPU, as it would run anywhere in the pod's set
+    on the host."""
+    by_cpu = vcpus_by_host_cpu(vcpu_pins)
+    return sorted(i for cpu in set(host_cpuset) for i in by_cpu.get(cpu, ()))
 
 
 def apply(pins: Mapping[int, frozenset[int]]) -> dict[int, frozenset[int]]:
-    """sched_setaffinity for each thread; threads that exited meanwhile are skipped. The
-    affinities as the kernel then reports them."""
+    """sched_setaffinity for each thread; threads that exited meanwhile (a vCPU unplugged)
+    are skipped, and a mask the thread's cpuset refuses is logged, not raised: a re-pin is
+    a best effort that the next change repeats. The affinities as the kernel then reports
+    them."""
     seen = {}
     for tid, cpus in pins.items():
         try:
@@ -50,5 +67,5 @@ def apply(pins: Mapping[int, frozenset[int]]) -> dict[int, frozenset[int]]:
         except ProcessLookupError:
             continue
         except OSError as exc:
-            log.warning("affinity of thread %d to %s: %s", tid, sorted(cpus), exc)
+            log.warning("affinity of thread %d to CPUs %s: %s", tid, sorted(cpus), exc)
     return seen

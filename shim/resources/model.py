@@ -98,10 +98,17 @@ class SandboxPlan:
     """What the pod's containers ask for (its limits; shares without a quota): with the
     overhead, Kubernetes' view of the pod."""
     workload_memory_mib: int = 0
+    vmm_overhead_mib: int = 0
+    """Host memory QEMU takes beyond guest RAM (in the sandbox cgroup's memory limit)."""
+    pod_cgroup_memory_mib: int = 0
+    """The pod cgroup's memory limit the plan was checked against; 0 = none. A running
+    pod's growth is checked against it too (plan_update)."""
     explanation: tuple[str, ...] = field(default=(), compare=False)
 
 
 def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
+    """The plan for a pod's totals; NoFit (numbers in the message) when it cannot fit in
+    the host, the configured maxima or the pod cgroup. Every number is explained."""
     why: list[str] = []
     pod = req.pod
     if pod.quota_cpus:
@@ -111,11 +118,13 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
     elif pod.share_cpus:
         workload_cpus = pod.share_cpus
         why.append(f"workload CPUs {workload_cpus:g} = shares {pod.cpu_shares} / 1024 "
-                   f"(no CFS quota)")
+                   f"(no CFS quota: quota {pod.cpu_quota}, period {pod.cpu_period})")
     else:
         workload_cpus = 0.0
         why.append("no CPU limit or request: the default vCPUs alone")
     workload_mib = math.ceil(pod.memory_limit / MIB) if pod.memory_limit > 0 else 0
+    why.append(f"workload memory {workload_mib} MiB = limit {pod.memory_limit} bytes" if
+               workload_mib else "no memory limit: the default memory alone")
     if req.sizing == "max":
         vcpus = max(req.default_vcpus, math.ceil(workload_cpus))
         memory = max(req.default_memory_mib, workload_mib)
@@ -129,15 +138,19 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                    f"{req.default_memory_mib} + {workload_mib} = {memory} MiB")
     max_vcpus = req.max_vcpus or host.cpus
     max_memory = req.max_memory_mib or host.memory_mib
+    why.append(f"at most {max_vcpus} vCPUs ("
+               f"{'default_maxvcpus' if req.max_vcpus else 'the host CPUs'}) and "
+               f"{max_memory} MiB ("
+               f"{'default_maxmemory' if req.max_memory_mib else 'the host memory'})")
     if vcpus > max_vcpus:
         raise NoFit(f"the pod needs {vcpus} vCPUs but at most {max_vcpus} are allowed "
-                        f"({'default_maxvcpus' if req.max_vcpus else 'host CPUs'})")
+                    f"({'default_maxvcpus' if req.max_vcpus else 'host CPUs'})")
     if memory > max_memory:
         raise NoFit(f"the pod needs {memory} MiB of VM memory but at most {max_memory} MiB "
-                        f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
+                    f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
     if memory + req.memory_overhead_mib > host.memory_mib:
         raise NoFit(f"the pod needs {memory} MiB + {req.memory_overhead_mib} MiB QEMU "
-                        f"overhead but the host has {host.memory_mib} MiB")
+                    f"overhead but the host has {host.memory_mib} MiB")
     if req.pod_cgroup_memory_mib and memory + req.memory_overhead_mib > \
             req.pod_cgroup_memory_mib:
         raise NoFit(f"the pod needs {memory} MiB of VM memory + {req.memory_overhead_mib} MiB "
@@ -149,10 +162,12 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
     overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
     if pod.quota_cpus:
         quota = math.ceil((pod.quota_cpus + overhead_cpu / 1000) * period)
-        why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = workload + "
-                   f"{overhead_cpu} mCPU overhead")
+        why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = (workload "
+                   f"{pod.quota_cpus:g} + {overhead_cpu}m for the guest) x period")
     else:
         quota = -1
+        why.append(f"sandbox cgroup CPU quota unlimited (period {period} µs): the pod has "
+                   f"no CPU limit")
     if req.pod_cgroup_cpus and quota > 0 and quota / period > req.pod_cgroup_cpus + 1e-9:
         raise NoFit(f"the pod's sandbox needs a CPU quota of {quota / period:g} CPUs "
                     f"(workload + {overhead_cpu}m for the guest), but its pod cgroup allows "
@@ -160,19 +175,31 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                     f"(overhead.podFixed.cpu >= {overhead_cpu}m)")
     shares = max(MIN_SHARES, pod.cpu_shares + overhead_cpu * 1024 // 1000) \
         if pod.cpu_shares else 1024
+    why.append(f"sandbox cgroup CPU shares {shares} = " + (
+        f"{pod.cpu_shares} + {overhead_cpu * 1024 // 1000} for the overhead" if pod.cpu_shares
+        else "the default weight (the pod has no CPU request)"))
     overhead_memory = memory - workload_mib + req.memory_overhead_mib
     memory_limit = (memory + req.memory_overhead_mib) * MIB if workload_mib else -1
     if memory_limit > 0:
         why.append(f"sandbox cgroup memory {memory + req.memory_overhead_mib} MiB = VM "
                    f"{memory} MiB + QEMU {req.memory_overhead_mib} MiB")
-    why.append(f"RuntimeClass overhead.podFixed: memory {overhead_memory}Mi, "
-               f"cpu {overhead_cpu}m")
+    else:
+        why.append("sandbox cgroup memory unlimited: the pod has no memory limit (the VM "
+                   f"still has only {memory} MiB)")
+    why.append(f"cpuset {pod.cpuset}: the union of the containers' cpusets" if pod.cpuset
+               else "no cpuset: the vCPUs may run on any CPU the pod cgroup allows")
+    why.append(f"RuntimeClass overhead.podFixed: memory {overhead_memory}Mi = VM "
+               f"{memory} - workload {workload_mib} + QEMU {req.memory_overhead_mib}, "
+               f"cpu {overhead_cpu}m = " + (f"{req.default_vcpus} default vCPUs"
+                                            if overhead_cpu else "none (sizing max)"))
     return SandboxPlan(vcpus=vcpus, memory_mib=memory, max_vcpus=max_vcpus,
                        max_memory_mib=max_memory, cgroup_cpu_quota=quota,
                        cgroup_cpu_period=period, cgroup_cpu_shares=shares,
                        cgroup_memory_limit=memory_limit, cpuset=pod.cpuset,
                        overhead_memory_mib=overhead_memory, overhead_cpu_millis=overhead_cpu,
                        workload_cpus=round(workload_cpus, 3), workload_memory_mib=workload_mib,
+                       vmm_overhead_mib=req.memory_overhead_mib,
+                       pod_cgroup_memory_mib=req.pod_cgroup_memory_mib,
                        explanation=tuple(why))
 
 

@@ -18,13 +18,23 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from .model import MIB, ContainerResources, PlanError, SandboxPlan
+from .model import MIB, ContainerResources, NoFit, PlanError, SandboxPlan
 
 DEFAULT_PERIOD_US = 100_000
+MEMORY_BLOCK_MIB = 128
+"""Linux onlines hot-plugged memory in 128 MiB blocks on x86-64 (a smaller or unaligned
+DIMM stays unusable and misaligns every later one): hot-plug in whole blocks."""
 
 
 class StaticSizeExceeded(PlanError):
-    """Growth beyond the boot size of a VM that cannot be hot-plugged (static mode)."""
+    """Growth beyond the boot size of a VM that cannot be hot-plugged (static mode).
+    `fitting`: the part of the change that fits in the VM as it is (sandbox cgroup limits
+    up to the boot size, cpuset), for the service to apply before answering
+    FAILED_PRECONDITION; None when nothing was computed (e.g. the plan itself is refused)."""
+
+    def __init__(self, message: str, fitting: "PlanDelta | None" = None) -> None:
+        super().__init__(message)
+        self.fitting = fitting
 
 
 def pod_totals(sandbox: ContainerResources,
@@ -73,46 +83,89 @@ class PlanDelta:
 
 
 def plan_update(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan, static: bool,
-                memory_block_mib: int = 128) -> PlanDelta:
+                memory_block_mib: int = MEMORY_BLOCK_MIB) -> PlanDelta:
     """`current`: the plan in force (what the VM has now); `boot`: the plan it booted
-    with; `wanted`: the plan for the pod's new totals (from plan_sandbox)."""
+    with; `wanted`: the plan for the pod's new totals (from plan_sandbox). The delta never
+    goes below the boot vCPUs, never removes memory, adds memory in whole
+    `memory_block_mib` blocks. StaticSizeExceeded (static, with what fits attached) or
+    NoFit (dynamic: the blocks exceed the VM's maximum or the pod cgroup) with numbers."""
     notes: list[str] = []
     if static:
+        vcpus, memory = current.vcpus, current.memory_mib
         over = []
         if wanted.vcpus > boot.vcpus:
             over.append(f"{wanted.vcpus} vCPUs (the VM has {boot.vcpus})")
         if wanted.memory_mib > boot.memory_mib:
             over.append(f"{wanted.memory_mib} MiB (the VM has {boot.memory_mib} MiB)")
         if over:
+            fit = _fitting(current, boot, wanted)
             raise StaticSizeExceeded(
                 f"the pod now needs {' and '.join(over)}, but static_sandbox_resource_mgmt "
                 f"sizes the VM once at boot: no CPU or memory can be added; recreate the pod "
-                f"with larger limits")
-        vcpus, memory = current.vcpus, current.memory_mib
+                f"with larger limits", fit)
+        notes.append(f"static: the VM keeps its boot size, {vcpus} vCPUs and {memory} MiB "
+                     f"(the pod needs {wanted.vcpus} and {wanted.memory_mib} MiB)")
     else:
         vcpus = max(boot.vcpus, wanted.vcpus)
         memory = current.memory_mib
         if wanted.memory_mib > current.memory_mib:
-            memory += math.ceil((wanted.memory_mib - current.memory_mib) / memory_block_mib) \
-                * memory_block_mib
+            blocks = math.ceil((wanted.memory_mib - current.memory_mib) / memory_block_mib)
+            memory += blocks * memory_block_mib
             if memory > current.max_memory_mib:
-                raise PlanError(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
-                                f"{memory_block_mib} MiB blocks that is {memory} MiB, more "
-                                f"than the VM may grow to ({current.max_memory_mib} MiB)")
+                raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
+                            f"{memory_block_mib} MiB blocks that is {memory} MiB, more "
+                            f"than the VM may grow to ({current.max_memory_mib} MiB)")
+            pod_cgroup = wanted.pod_cgroup_memory_mib
+            if pod_cgroup and memory + wanted.vmm_overhead_mib > pod_cgroup:
+                raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
+                            f"{memory_block_mib} MiB blocks that is {memory} MiB + "
+                            f"{wanted.vmm_overhead_mib} MiB QEMU overhead = "
+                            f"{memory + wanted.vmm_overhead_mib} MiB, but its pod cgroup "
+                            f"allows {pod_cgroup} MiB: declare {memory_block_mib - 1} MiB "
+                            f"more overhead in the RuntimeClass for hot-plug rounding")
             notes.append(f"memory {current.memory_mib} -> {memory} MiB ("
-                         f"{memory - current.memory_mib} MiB hot-plugged in "
-                         f"{memory_block_mib} MiB blocks)")
+                         f"{memory - current.memory_mib} MiB hot-plugged as {blocks} "
+                         f"{memory_block_mib} MiB blocks for the {wanted.memory_mib} MiB "
+                         f"the pod needs)")
         elif wanted.memory_mib < current.memory_mib:
             notes.append(f"memory stays {current.memory_mib} MiB: the pod needs "
                          f"{wanted.memory_mib} MiB now, but memory is never taken back "
                          f"from a running guest")
-        if vcpus != current.vcpus:
-            notes.append(f"vCPUs {current.vcpus} -> {vcpus}")
+        if vcpus > current.vcpus:
+            notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {vcpus - current.vcpus} "
+                         f"hot-plugged")
+        elif vcpus < current.vcpus:
+            notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {current.vcpus - vcpus} "
+                         f"hot-added removed (the {boot.vcpus} boot vCPUs stay)")
     limit = wanted.cgroup_memory_limit
     if limit > 0:  # the cgroup must hold the VM's real memory plus QEMU's overhead
         limit += (memory - wanted.memory_mib) * MIB
+        if memory != wanted.memory_mib:
+            notes.append(f"sandbox cgroup memory {limit // MIB} MiB = VM {memory} MiB + "
+                         f"QEMU {limit // MIB - memory} MiB")
     plan = replace(wanted, vcpus=vcpus, memory_mib=memory, cgroup_memory_limit=limit,
                    explanation=wanted.explanation + tuple(notes))
     return PlanDelta(plan=plan, add_vcpus=max(0, vcpus - current.vcpus),
                      remove_vcpus=max(0, current.vcpus - vcpus),
                      add_memory_mib=max(0, memory - current.memory_mib), notes=tuple(notes))
+
+
+def _fitting(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan) -> PlanDelta:
+    """Static mode, `wanted` larger than the VM: the sandbox cgroup limits as far as the
+    VM can use them (CPU quota up to its vCPUs, memory its own plus QEMU's) and the
+    cpuset, with the VM's size unchanged."""
+    quota = wanted.cgroup_cpu_quota
+    if quota > 0:
+        quota = min(quota, boot.vcpus * wanted.cgroup_cpu_period)
+    limit = wanted.cgroup_memory_limit
+    if limit > 0:
+        limit = min(limit, (boot.memory_mib + wanted.vmm_overhead_mib) * MIB)
+    note = (f"static: the VM keeps {boot.vcpus} vCPUs and {boot.memory_mib} MiB; what "
+            f"fits in it: CPU quota " + (f"{quota}/{wanted.cgroup_cpu_period} µs" if quota > 0
+                                        else "unlimited") +
+            ", memory " + (f"{limit // MIB} MiB" if limit > 0 else "unlimited") +
+            f", cpuset {wanted.cpuset or '(any)'}")
+    plan = replace(wanted, vcpus=current.vcpus, memory_mib=current.memory_mib,
+                   cgroup_cpu_quota=quota, cgroup_memory_limit=limit,
+                   explanation=wanted.explanation + (note,))
+    return PlanDelta(plan=plan, notes=(note,))

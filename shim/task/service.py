@@ -108,8 +108,12 @@ class TaskService:
             cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
             await self.start_pod(req.id, cfg, _planner(cfg, spec, cgroups_path), cgroups_path)
         else:
-            await self._resize(req.id, from_linux_resources(
-                (spec.get("linux") or {}).get("resources") or {}))
+            try:
+                await self._resize(req.id, from_linux_resources(
+                    (spec.get("linux") or {}).get("resources") or {}))
+            except StaticRefusal:
+                await self._resize(req.id, None, quiet=True)  # no container: nothing kept
+                raise
         assert self.sandbox is not None
         guest = guestspec.rewrite(spec, req.id, self._guest_cpus(req.id))
         for what in guest.dropped:
@@ -278,7 +282,9 @@ class TaskService:
         """Re-plan the pod with `container_id` at `resources` (None: gone; no id: only the
         shared CPU pool changed) and apply the step: host cgroup limits, vCPUs and memory
         hot-plugged, vCPUs re-pinned, the guest told. All or nothing: on failure the plan
-        in force stays. `quiet`: failures are logged only (a shrink during cleanup)."""
+        in force stays. Growth a static-mode VM cannot take is the exception: what fits
+        in the VM (limits, cpuset) is applied, then StaticRefusal is raised.
+        `quiet`: failures are logged only (a shrink during cleanup)."""
         pod_totals, sandbox, planner = sandbox, self.sandbox, self._planner
         if sandbox is None or planner is None:
             return
@@ -295,8 +301,14 @@ class TaskService:
                 containers[container_id] = resources
             import cgroups
 
+            refusal = None
             try:
-                delta = _planned(lambda: planner.update(sandbox.plan, containers, base))
+                try:
+                    delta = planner.update(sandbox.plan, containers, base)
+                except StaticSizeExceeded as exc:
+                    if exc.fitting is None:
+                        raise
+                    refusal, delta = exc, exc.fitting  # apply what fits, then refuse
                 pins = list(sandbox.vcpu_pins)
                 if delta.plan != sandbox.plan:
                     try:
@@ -308,15 +320,20 @@ class TaskService:
                         raise TtrpcError(Code.FAILED_PRECONDITION,
                                          f"podvm: resizing sandbox {sandbox.id}: {exc}"
                                          ) from None
-            except TtrpcError as exc:
+            except (TtrpcError, PlanError) as exc:
+                if isinstance(exc, PlanError):
+                    exc = _planning_error(exc)
                 if not quiet:
-                    raise
+                    raise exc from None
                 log.warning("sandbox %s: re-plan without %s: %s", sandbox.id, container_id,
                             exc.message)
                 return
             planner.commit(containers, base)
             if pins != sandbox.vcpu_pins:
                 await self._confine(skip=container_id)
+            if refusal is not None:
+                raise StaticRefusal(f"podvm: {refusal} (applied what fits in the VM: "
+                                    f"{'; '.join(delta.notes)})")
 
     async def _watch_vm(self, sandbox: Sandbox) -> None:
         assert sandbox.vm is not None
@@ -544,14 +561,20 @@ class TaskService:
         if planner is not None:
             before = planner.sandbox if req.id == self._sandbox_container else \
                 planner.containers.get(req.id, ContainerResources())
-        await self._resize(req.id, wanted)  # the host first: the guest gets room to grow
+        refused = None
+        try:
+            await self._resize(req.id, wanted)  # the host first: the guest gets room to grow
+        except StaticRefusal as exc:
+            refused = exc  # the container's own limits in the guest still apply
         try:
             await self._agent().update(req.id, json.dumps(guestspec.resources(
                 resources, self._guest_cpus(req.id))).encode())
         except BaseException:
-            if before is not None:
+            if before is not None and refused is None:
                 await self._resize(req.id, before, quiet=True)
             raise
+        if refused is not None:
+            raise refused
         return Empty()
 
     async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:
@@ -599,16 +622,28 @@ def _planner(cfg: config.Config, spec: dict, cgroups_path: str) -> PodPlanner:
     return _planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
 
 
+class StaticRefusal(TtrpcError):
+    """Growth a static-mode VM cannot take: refused, after what fits was applied."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.FAILED_PRECONDITION, message)
+
+
+def _planning_error(exc: Exception) -> TtrpcError:
+    """A planning error as the status code it means."""
+    if isinstance(exc, NoFit):
+        return TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}")
+    if isinstance(exc, StaticSizeExceeded):
+        return TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}")
+    return TtrpcError(Code.INVALID_ARGUMENT, f"podvm: {exc}")
+
+
 def _planned(compute):
     """Run a planning step; its errors as the status codes they mean."""
     try:
         return compute()
-    except NoFit as exc:
-        raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
-    except StaticSizeExceeded as exc:
-        raise TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}") from None
     except (PlanError, ValueError, TypeError) as exc:
-        raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: {exc}") from None
+        raise _planning_error(exc) from None
 
 
 def _load_config(options) -> config.Config:

@@ -78,6 +78,8 @@ def main() -> dict:
         obs["rss_anon"] = next(int(line.split()[1]) * 1024 for line in f
                                if line.startswith("RssAnon:"))
 
+    sandbox.apply(CgroupLimits(cpuset_cpus="1", vmm_cpuset_cpus="0"))
+    obs["overhead_cpus"] = snapshot([layout.sandbox, layout.vcpus, layout.vmm])
     sandbox.apply(CgroupLimits())
     obs["unlimited"] = snapshot([layout.sandbox, layout.vcpus, layout.vmm])
     try:

@@ -111,6 +111,13 @@ def test_children_take_the_pod_cpuset_and_follow_every_change(v1_manager, layout
         canonical = CgroupLimits(cpuset_cpus=wanted).cpuset_cpus
         assert files["cpuset.cpus"] == files["vcpus/cpuset.cpus"] == \
             files["vmm/cpuset.cpus"] == canonical
+    # An overhead CPU set: vmm/ on its own CPUs, the sandbox holds both sets.
+    sandbox.apply(CgroupLimits(cpuset_cpus=second, vmm_cpuset_cpus=first))
+    files = all_files(v1_manager, layout)
+    assert (files["vcpus/cpuset.cpus"], files["vmm/cpuset.cpus"]) == (second, first)
+    assert files["cpuset.cpus"] == CgroupLimits(cpuset_cpus=f"{first},{second}").cpuset_cpus
+    sandbox.apply(CgroupLimits(cpuset_cpus=second))
+    assert all_files(v1_manager, layout)["vmm/cpuset.cpus"] == second
 
 
 def test_apply_refused_by_the_kernel_puts_every_old_value_back(v1_manager, layout,

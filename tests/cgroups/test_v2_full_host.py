@@ -113,6 +113,12 @@ def test_limits_are_in_the_files_and_read_back(guest_report):
             read_back["cpuset_cpus"]) == (50_000, 100_000, 20, 128 << 20, 64, "1")
 
 
+def test_vmm_gets_its_own_cpus_when_an_overhead_set_is_given(guest_report):
+    cpus, sandbox = guest_report["overhead_cpus"], guest_report["layout"]["sandbox"]
+    assert (cpus[f"{sandbox}/vcpus"]["cpuset.cpus"], cpus[f"{sandbox}/vmm"]["cpuset.cpus"],
+            cpus[sandbox]["cpuset.cpus"]) == ("1", "0", "0-1")
+
+
 def test_none_resets_every_limit(guest_report):
     """A populated cgroup's cpuset cannot go back to "inherit" (the kernel answers ENOSPC):
     None gives it the pod's CPUs (the guest has two)."""

@@ -99,7 +99,7 @@ class EventSink:
 
 @contextlib.asynccontextmanager
 async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
-                    **qemu: object):
+                    runtime: dict | None = None, **qemu: object):
     """A pod's shim started as containerd starts it, with the sandbox container created
     (and its cgroup under the parent of `cgroups_path`); everything stopped afterwards."""
     require_root()
@@ -120,7 +120,7 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     client = await Client.connect(started.stdout.decode(),
                                   metadata=[("containerd-namespace-ttrpc", NS)])
     options = api.CreateTaskRequest().options
-    options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", **qemu))))
+    options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", runtime, **qemu))))
     ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
            "grpc": grpc, "bundle": bundle, "events": sink.events}
     try:  # from here on, `delete` in `finally` kills the daemon whatever happened

@@ -204,3 +204,30 @@ async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs
             await shim.__aexit__(None, None, None)
         except Exception:
             pass  # the daemon is gone: the harness's own teardown cannot talk to it
+
+
+async def test_shim_outside_the_sandbox_and_vmm_threads_on_overhead_cpus(tmp_path,
+                                                                        rootfs) -> None:
+    """sandbox_cgroup_only = false: the shim is charged to its own overhead cgroup;
+    overhead_cpus: QEMU's non-vCPU threads run there, the vCPUs keep the pod's CPUs."""
+    online = sorted(os.sched_getaffinity(0))
+    if len(online) < 2:
+        pytest.fail(f"this test needs 2 host CPUs, this machine has {online}")
+    parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
+    runtime = {"sandbox_cgroup_only": False, "overhead_cpus": str(online[0])}
+    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb", runtime=runtime):
+        shim_pid = json.loads(pathlib.Path(f"/run/podvm/{NS}/sb/shim.json").read_text())["pid"]
+        for c, path in threads(shim_pid)[shim_pid][1].items():
+            if c in SPLIT + WHOLE:
+                assert path == "/podvm_overhead/podvm_sb", (c, path)
+        qemu = sandbox_state()["qemu_pid"]
+        for tid, (name, groups) in threads(qemu).items():
+            assert groups["memory"] == f"{parent}/podvm_sb", (name, groups)
+            wanted = set(online) if name.startswith("CPU ") else {online[0]}
+            assert os.sched_getaffinity(tid) == wanted, (name, tid)
+    for h in cgroups.detect().to_state()["hierarchies"]:
+        for d in (pathlib.Path(h["mountpoint"]) / parent.strip("/"),):
+            assert not (d / "podvm_sb").exists()
+            if d.is_dir():
+                d.rmdir()
+        assert not (pathlib.Path(h["mountpoint"]) / "podvm_overhead" / "podvm_sb").exists()

@@ -42,7 +42,7 @@ def start_containerd(workdir: pathlib.Path, image_cache, runtime: dict,
 @pytest.fixture(scope="module")
 def static_ctd(tmp_path_factory, image_cache):
     c = start_containerd(tmp_path_factory.mktemp("podvm-static"), image_cache,
-                         {"static_sandbox_resource_mgmt": True}, default_maxvcpus=4,
+                         {"static_sandbox_resource_mgmt": True}, default_maxvcpus=8,
                          default_maxmemory=2048)
     try:
         yield c
@@ -115,6 +115,10 @@ def test_static_pod_is_sized_at_boot_and_refuses_growth(static_ctd, tmp_path) ->
                           check=False)
         assert grow.returncode != 0
         assert "static_sandbox_resource_mgmt" in grow.stderr and "5 vCPUs" in grow.stderr
+        # What fits in the VM is applied all the same: the quota grows to its 4 vCPUs.
+        assert "applied what fits" in grow.stderr
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert report["cgroup"]["limits"]["cpu_quota_us"] == 400_000
         grow = crictl.run("update", "--memory", str(1024 * MIB), cid, check=False)
         assert grow.returncode != 0 and "1280 MiB" in grow.stderr
         assert guest_size(crictl, cid) == (cpus, mem)  # nothing changed
@@ -157,7 +161,7 @@ def test_dynamic_update_grows_the_running_vm(dynamic_ctd, tmp_path) -> None:
 def test_pod_that_cannot_fit_is_refused_at_runp_and_leaves_nothing(dynamic_ctd,
                                                                   tmp_path) -> None:
     crictl = Crictl(dynamic_ctd.cri_endpoint, timeout="120s")
-    before = (len(shims_of(dynamic_ctd.address)), len(qemus()),
+    before = (len(shims_of(dynamic_ctd.address)), len(qemus(dynamic_ctd.cgroup_parent)),
               sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
               if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
     pod = pod_config(dynamic_ctd, tmp_path, "huge")
@@ -166,9 +170,9 @@ def test_pod_that_cannot_fit_is_refused_at_runp_and_leaves_nothing(dynamic_ctd,
                          str(write_config(tmp_path, "huge.json", pod)), check=False)
     assert refused.returncode != 0
     assert "MiB of VM memory" in refused.stderr and "1024 MiB" in refused.stderr
-    after = (len(shims_of(dynamic_ctd.address)), len(qemus()),
+    after = (len(shims_of(dynamic_ctd.address)), len(qemus(dynamic_ctd.cgroup_parent)),
              sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
              if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
     wait_for("the refused pod's shim to go", lambda: (
-        len(shims_of(dynamic_ctd.address)), len(qemus())) == before[:2])
+        len(shims_of(dynamic_ctd.address)), len(qemus(dynamic_ctd.cgroup_parent))) == before[:2])
     assert after[2] == before[2]

@@ -25,14 +25,18 @@ def guest_kernel() -> str:
     return json.loads((GUEST / "manifest.json").read_text())["kernel_release"]
 
 
-def qemus() -> list[int]:
+def qemus(cgroup_parent: str = "") -> list[int]:
+    """Pod QEMUs running now; with `cgroup_parent`, only those in a cgroup below it (the
+    pods of one test containerd: other VMs on the machine are not this test's)."""
     found = []
     for pid in os.listdir("/proc"):
         try:
             cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+            groups = pathlib.Path(f"/proc/{pid}/cgroup").read_text() if cgroup_parent else ""
         except OSError:
             continue
-        if b"qemu-system" in cmdline and b"podvm-" in cmdline:
+        if b"qemu-system" in cmdline and b"podvm-" in cmdline and \
+                f":{cgroup_parent}/" in (groups if cgroup_parent else ":/"):
             found.append(int(pid))
     return found
 
@@ -80,7 +84,7 @@ def ctd(tmp_path_factory, image_cache):
     finally:
         c.stop()
     assert c.forced == [], f"stop() had to force: {c.forced}"
-    assert shims_of(c.address) == [] and qemus() == []
+    assert shims_of(c.address) == [] and qemus(c.cgroup_parent) == []
     assert mounts_under(c.workdir) == []
 
 
@@ -210,14 +214,16 @@ def test_a_guest_that_dies(ctd, crictl, configs) -> None:
 
 
 def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
-    before = (len(qemus()), len(shims_of(ctd.address)), len(mounts_under(ctd.workdir)),
+    before = (len(qemus(ctd.cgroup_parent)), len(shims_of(ctd.address)),
+              len(mounts_under(ctd.workdir)),
               sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
               if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
     for i in range(20):
         pod_id, _ = runp(crictl, ctd, configs, f"vm-row-{i}")
         remove_pod(crictl, pod_id)
     wait_for("every shim to exit", lambda: (
-        len(qemus()), len(shims_of(ctd.address)), len(mounts_under(ctd.workdir)),
+        len(qemus(ctd.cgroup_parent)), len(shims_of(ctd.address)),
+        len(mounts_under(ctd.workdir)),
         sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
         if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else []) == before,
         timeout=30)

@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 
 from shim.agent import Agent
-from shim.hypervisor import HypervisorError
+from shim.hypervisor import HypervisorError, ThreadRole
 from shim.hypervisor.qemu import QemuVM
 
 from .test_qemu import spec
+
+MIB = 1 << 20
 
 
 async def test_vcpu_and_memory_hot_plug_and_vcpus_offline(tmp_path) -> None:
@@ -21,22 +23,29 @@ async def test_vcpu_and_memory_hot_plug_and_vcpus_offline(tmp_path) -> None:
         info = await agent.ping(timeout=60)
         assert (info.online_cpus, await vm.size()) == (1, (1, 256))
         threads = await vm.add_vcpus(1)
-        assert len(threads) == 1 and threads[0] in (await vm.threads())["vcpu"]
+        assert len(threads) == 1 and threads[0] in (await vm.threads())[ThreadRole.VCPU]
         assert (await agent.online(cpus=2)).online_cpus == 2
         with pytest.raises(HypervisorError, match="only 0 of 2 slots are free"):
             await vm.add_vcpus(1)
-        assert await vm.add_memory(256) == 256
-        assert await vm.size() == (2, 512)
-        grown = await agent.online(cpus=2,
-                                   wait_memory_bytes=info.memory_total_bytes + (256 << 20))
-        assert grown.memory_total_bytes == info.memory_total_bytes + (256 << 20)
-        with pytest.raises(HypervisorError, match="multiples of 128 MiB"):
-            await vm.add_memory(100)
-        with pytest.raises(HypervisorError, match="may grow to 1024 MiB"):
-            await vm.add_memory(640)
+
+        memory = info.memory_total_bytes
+        for mib, total in ((128, 384), (256, 640)):
+            assert await vm.add_memory(mib) == mib
+            assert await vm.size() == (2, total)
+            grown = await agent.online(cpus=2, wait_memory_bytes=memory + mib * MIB)
+            assert grown.memory_total_bytes == memory + mib * MIB
+            memory = grown.memory_total_bytes
+        # A DIMM that is not whole 128 MiB blocks is not usable by the guest and
+        # misaligns every later one: refused before QEMU sees it.
+        with pytest.raises(HypervisorError, match="multiples of 128 MiB, not 64"):
+            await vm.add_memory(64)
+        with pytest.raises(HypervisorError, match="has 640 MiB and may grow to 1024 MiB"):
+            await vm.add_memory(512)
+
         # Shrinking takes the vCPU offline in the guest; QEMU keeps it plugged.
         assert (await agent.online(cpus=1)).online_cpus == 1 and (await vm.size())[0] == 2
         assert (await agent.online(cpus=2)).online_cpus == 2  # and back
+
         await agent.close()
     finally:
         await vm.stop()

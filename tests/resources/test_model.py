@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shim.resources import ContainerResources, Host, PlanError, SandboxRequest, plan_sandbox
@@ -83,6 +83,7 @@ shapes = st.builds(
     memory_limit=st.one_of(st.just(0), st.integers(1, 8 * 1024) .map(lambda m: m * MIB)))
 
 
+@settings(deadline=None)
 @given(pod=shapes, default_vcpus=st.integers(1, 4), default_mem=st.integers(64, 2048),
        sizing=st.sampled_from(["sum", "max"]), overhead=st.integers(0, 300))
 def test_properties(pod, default_vcpus, default_mem, sizing, overhead) -> None:

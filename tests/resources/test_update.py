@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shim.resources import (ContainerResources, Host, NoFit, PlanError, StaticSizeExceeded,
@@ -74,11 +74,48 @@ def test_static_refuses_growth_with_numbers_and_applies_what_fits() -> None:
     assert smaller.plan.cgroup_memory_limit >= (768 + OVERHEAD) * MIB
 
 
+def test_static_refusal_carries_what_fits() -> None:
+    boot = plan_for(cpus(2.5, 512, cpuset="0-3"))
+    with pytest.raises(StaticSizeExceeded) as err:
+        plan_update(boot, boot, plan_for(cpus(6, 1024, cpuset="0-5")), static=True)
+    fit = err.value.fitting
+    assert fit is not None and not fit.grows and fit.remove_vcpus == 0
+    assert (fit.plan.vcpus, fit.plan.memory_mib) == (4, 768)
+    assert fit.plan.cgroup_cpu_quota == 400_000  # what 4 vCPUs can use, not 7 CPUs
+    assert fit.plan.cgroup_memory_limit == (768 + OVERHEAD) * MIB
+    assert fit.plan.cpuset == "0-5" and "what fits in it: CPU quota 400000/100000" in fit.notes[0]
+    assert fit.plan.explanation[-1] == fit.notes[0]
+
+
 def test_memory_growth_beyond_the_maximum_is_refused() -> None:
     boot = plan_for(ContainerResources(), max_memory_mib=512)
     wanted = plan_for(cpus(0, 300), max_memory_mib=1024)  # 556 MiB: 640 in blocks
-    with pytest.raises(PlanError, match="more than the VM may grow to"):
+    with pytest.raises(NoFit, match="556 MiB.*that is 640 MiB, more than the VM may grow "
+                                    "to \\(512 MiB\\)"):
         plan_update(boot, boot, wanted, static=False)
+
+
+def test_memory_blocks_must_fit_the_pod_cgroup() -> None:
+    boot = plan_for(ContainerResources())
+    # 200 MiB of workload fits the pod cgroup, the 256 MiB in blocks do not
+    wanted = plan_for(cpus(0, 200), pod_cgroup_memory_mib=256 + 200 + OVERHEAD)
+    with pytest.raises(NoFit, match=f"512 MiB \\+ {OVERHEAD} MiB QEMU overhead = "
+                                    f"{512 + OVERHEAD} MiB, but its pod cgroup allows "
+                                    f"{456 + OVERHEAD} MiB: declare 127 MiB more"):
+        plan_update(boot, boot, wanted, static=False)
+    roomy = plan_for(cpus(0, 200), pod_cgroup_memory_mib=512 + OVERHEAD)
+    assert plan_update(boot, boot, roomy, static=False).plan.memory_mib == 512
+
+
+def test_every_change_is_explained() -> None:
+    boot = plan_for(ContainerResources())
+    grown = plan_update(boot, boot, plan_for(cpus(2, 200)), static=False)
+    text = " ".join(grown.plan.explanation)
+    assert "vCPUs 1 -> 3: 2 hot-plugged" in text
+    assert "memory 256 -> 512 MiB (256 MiB hot-plugged as 2 128 MiB blocks" in text
+    assert f"sandbox cgroup memory {512 + OVERHEAD} MiB = VM 512 MiB" in text
+    shrunk = plan_update(grown.plan, boot, plan_for(ContainerResources()), static=False)
+    assert "2 hot-added removed (the 1 boot vCPUs stay)" in " ".join(shrunk.notes)
 
 
 def test_pod_cgroup_limit_is_checked_before_boot() -> None:
@@ -98,6 +135,7 @@ container_shapes = st.builds(
     cpuset=st.sampled_from(["", "0", "1", "0-1", "2-3"]))
 
 
+@settings(deadline=None)
 @given(sandbox=container_shapes,
        steps=st.lists(st.dictionaries(st.sampled_from("abc"), container_shapes, max_size=3),
                       min_size=1, max_size=4),
