@@ -119,7 +119,25 @@ class Node:
         pod = SandboxCgroup.create(SandboxLayout(self.parent, shape.name), limits,
                                    self.manager)
         self.pods.append(pod)
+        if len(self.pods) == 1:
+            self._outweigh_the_rest()
         return pod
+
+    def _outweigh_the_rest(self) -> None:
+        """The parent gets the largest CPU weight there is. A group's weight is split over
+        the CPUs by where its threads run, so a target alone on its CPU carries a small
+        part of it; at the default weight, any other work on this machine (outside the
+        experiment) would take most of that CPU and the figures would be about it."""
+        if isinstance(self.manager, cgroups.CgroupV2Manager):
+            path = os.path.join(self.manager.hierarchy.directory(self.parent), "cpu.weight")
+            value = "10000"
+        else:
+            h = next((h for h in self.manager.hierarchies if "cpu" in h.controllers), None)
+            if h is None:
+                return
+            path, value = os.path.join(h.directory(self.parent), "cpu.shares"), "262144"
+        with contextlib.suppress(FileNotFoundError):
+            pathlib.Path(path).write_text(value)
 
     def run(self, pod: SandboxCgroup, code: str, seconds: float, **kw) -> subprocess.Popen:
         proc = pod.spawn([sys.executable, "-c", code, str(os.getpid()), str(seconds)], **kw)
@@ -151,15 +169,25 @@ def remove_tree(manager: cgroups.CgroupManager, path: str) -> None:
                 os.rmdir(directory)
 
 
+def stale(directory: str) -> list[str]:
+    """Names in `directory` left by runs that were killed (their pid is gone)."""
+    found = []
+    for name in os.listdir(directory):
+        pid = name.removeprefix(PARENT_PREFIX).split("-")[0]
+        if name.startswith(PARENT_PREFIX) and pid.isdigit() and \
+                not os.path.exists(f"/proc/{pid}"):
+            found.append(name)
+    return found
+
+
 def sweep_stale(manager: cgroups.CgroupManager) -> None:
-    """Parents left by runs that were killed (their pid is gone)."""
+    """Parent cgroups and allocator directories of runs that were killed."""
     for root in hierarchy_roots(manager):
-        for name in os.listdir(root):
-            pid = name.removeprefix(PARENT_PREFIX)
-            if name.startswith(PARENT_PREFIX) and pid.isdigit() and \
-                    not os.path.exists(f"/proc/{pid}"):
-                with contextlib.suppress(OSError):
-                    remove_tree(manager, "/" + name)
+        for name in stale(root):
+            with contextlib.suppress(OSError):
+                remove_tree(manager, "/" + name)
+    for name in stale(tempfile.gettempdir()):
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -184,7 +212,7 @@ def setting(mode: str, seconds: float, cpus: int, threads_per_cpu: int,
     """One setting ("alone", "shares", "exclusive"): the target's figures, the
     neighbours' CPU received / requested, and where each ran."""
     node = Node(manager)
-    allocator_dir = tempfile.mkdtemp(prefix="podvm-bench-cpus-")
+    allocator_dir = tempfile.mkdtemp(prefix=f"{PARENT_PREFIX}{os.getpid()}-")
     try:
         target_shape, neighbour_shapes = shapes(cpus, threads_per_cpu)
         mine = others = None
@@ -272,10 +300,14 @@ def main(argv: list[str] | None = None) -> int:
           f"; {args.seconds:g} s per workload", flush=True)
     print(HEADER, flush=True)
     alone = None
-    for mode in ("alone", "shares", "exclusive"):
-        r = setting(mode, args.seconds, cpus, args.threads_per_cpu, manager)
-        alone = alone or r
-        print(row(r, alone), flush=True)
+    try:
+        for mode in ("alone", "shares", "exclusive"):
+            r = setting(mode, args.seconds, cpus, args.threads_per_cpu, manager)
+            alone = alone or r
+            print(row(r, alone), flush=True)
+    except KeyboardInterrupt:
+        print("reservation.py: interrupted; what it made is removed", file=sys.stderr)
+        return 130
     return 0
 
 

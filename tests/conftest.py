@@ -29,33 +29,41 @@ def require_root() -> None:
     require(os.geteuid() == 0, "root (containerd, mounts and cgroups need it)")
 
 
+def _cmdline(pid: int | str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _ours() -> set[tuple[int, str]]:
-    """Shim daemons and pod QEMUs running now (by pid and command line)."""
+    """Shim daemons and pod QEMUs running now: (pid, command line, and for a QEMU its
+    parent's command line, or "orphan")."""
     found = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "containerd-shim-podvm-v2" in cmdline or (
-                "qemu-system" in cmdline and "-name podvm-" in cmdline):
+        cmdline = _cmdline(pid)
+        if "containerd-shim-podvm-v2" in cmdline:
+            found.add((int(pid), cmdline))
+        elif "qemu-system" in cmdline and "-name podvm-" in cmdline:
             try:
-                with open(f"/proc/{pid}/cgroup") as f:
-                    in_sandbox = ":/podvm" in f.read()  # a sandbox cgroup of ours
-            except OSError:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            found.add((int(pid), cmdline + (" [sandbox cgroup]" if in_sandbox else "")))
+            found.add((int(pid), f"{cmdline} [parent: "
+                                 f"{_cmdline(ppid) if ppid > 1 else 'orphan'}]"))
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_running(tmp_path_factory):
     """A test run that leaves a shim daemon or a pod QEMU behind fails, whichever test did
-    it. Theirs: a daemon's bundle or a QEMU's files under this run's temporary directory,
-    or a QEMU in a podvm sandbox cgroup (not VMs that other work on the machine runs)."""
+    it. This run's: a daemon whose bundle, or a QEMU whose files or parent shim's bundle,
+    are under this run's temporary directory, and any orphaned pod QEMU (not the VMs that
+    other work on the machine runs)."""
     before = _ours()
     yield
     import time
@@ -64,7 +72,7 @@ def nothing_left_running(tmp_path_factory):
 
     def left() -> list:
         return sorted(p for p in _ours() - before
-                      if base in p[1] or p[1].endswith("[sandbox cgroup]"))
+                      if base in p[1] or p[1].endswith("[parent: orphan]"))
 
     deadline = time.monotonic() + 10
     while (found := left()) and time.monotonic() < deadline:

@@ -54,6 +54,14 @@ def guest_cpus(host_cpuset: Iterable[int], vcpu_pins: Sequence[frozenset[int]]) 
     return sorted(i for cpu in set(host_cpuset) for i in by_cpu.get(cpu, ()))
 
 
+def guest_cpus_for_update(host_cpuset: Iterable[int],
+                          vcpu_pins: Sequence[frozenset[int]]) -> list[int]:
+    """The vCPUs to send in an update: those of `guest_cpus`, or every online vCPU when
+    none maps. runc update keeps an absent cpuset as it was, so a container confined
+    before and no longer (its pins changed, or floated) must be told every vCPU."""
+    return guest_cpus(host_cpuset, vcpu_pins) or list(range(len(vcpu_pins)))
+
+
 def apply(pins: Mapping[int, frozenset[int]]) -> dict[int, frozenset[int]]:
     """sched_setaffinity for each thread; threads that exited meanwhile (a vCPU unplugged)
     are skipped, and a mask the thread's cpuset refuses is logged, not raised: a re-pin is

@@ -219,7 +219,7 @@ class TaskService:
         (an integral CPU request), or the shared pool. The allocator, or None."""
         if cfg.runtime.cpu_reservation != "exclusive":
             return None
-        from ..cpus.allocator import Allocator, NoFreeCPUs
+        from ..cpus.allocator import Allocator, AllocatorError
 
         allocator = Allocator(reserved=cfg.runtime.reserved_cpus)
         count = planner.exclusive_request()
@@ -228,7 +228,7 @@ class TaskService:
             return allocator
         try:
             planner.exclusive = allocator.reserve(sandbox_id, count)
-        except NoFreeCPUs as exc:
+        except AllocatorError as exc:  # NoFreeCPUs, or state it cannot trust
             raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
         log.info("sandbox %s: exclusive host CPUs %s", sandbox_id, sorted(planner.exclusive))
         return allocator
@@ -255,9 +255,11 @@ class TaskService:
             return None
         from cgroups.limits import parse_cpu_list
 
-        from ..cpus.pinning import guest_cpus
+        from ..cpus.pinning import guest_cpus_for_update
 
-        return guest_cpus(parse_cpu_list(cpuset), sandbox.vcpu_pins) or None
+        # Every vCPU when nothing maps (vCPUs floating): a cpuset set earlier in the guest
+        # would otherwise stay, narrower than the container's CPUs now allow.
+        return guest_cpus_for_update(parse_cpu_list(cpuset), sandbox.vcpu_pins) or None
 
     async def _confine(self, skip: str | None) -> None:
         """After the vCPUs were re-pinned: every other container's cpuset in the guest

@@ -7,7 +7,8 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim.cpus.pinning import apply, guest_cpus, pin_map
+from shim.cpus.pinning import (apply, guest_cpus, guest_cpus_for_update, pin_map,
+                               vcpus_by_host_cpu)
 
 
 def test_one_to_one_when_counts_match_else_float() -> None:
@@ -19,12 +20,32 @@ def test_one_to_one_when_counts_match_else_float() -> None:
     assert pin_map([11], 1, set(), enabled=True) == {}
 
 
+def test_no_cpuset_floats_over_the_whole_host() -> None:
+    # A pinned mask outlives a wider cpuset: with the restriction gone it must be widened,
+    # never left as it was, and never pinned 1:1 (nobody asked for these CPUs).
+    assert pin_map([11, 12], 2, set(), enabled=True, everywhere={0, 1}) == {
+        11: {0, 1}, 12: {0, 1}}
+    assert pin_map([11], 1, iter([3]), enabled=True) == {11: {3}}
+
+
 def test_guest_cpus_follow_the_pins() -> None:
     pins = [frozenset({2}), frozenset({3}), frozenset({5})]
     assert guest_cpus({3, 5}, pins) == [1, 2]
     assert guest_cpus({2}, pins) == [0]
     assert guest_cpus({7}, pins) == []  # no overlap: no confinement
     assert guest_cpus({2, 3}, [frozenset({2, 3})] * 2) == []  # floating: none
+
+
+def test_an_update_lifts_a_confinement_explicitly() -> None:
+    pins = [frozenset({2}), frozenset({3})]
+    assert guest_cpus_for_update({3}, pins) == [1]
+    # Floating now: runc update would keep the old cpuset if told nothing.
+    assert guest_cpus_for_update({2}, [frozenset({2, 3})] * 3) == [0, 1, 2]
+
+
+def test_host_cpus_map_to_the_vcpus_pinned_on_them() -> None:
+    pins = [frozenset({2}), frozenset({3}), frozenset({2, 3}), frozenset()]
+    assert vcpus_by_host_cpu(pins) == {2: [0], 3: [1]}
 
 
 @given(tids=st.lists(st.integers(1, 10_000), min_size=1, max_size=8, unique=True),
