@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,10 +34,42 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+PHASES = (  # (name, containerd/shim log message that ends it); each starts where the last ends
+    ("containerd+shim start", "serving containerd.task"),
+    ("plan+cgroup", "starting QEMU"),
+    ("QEMU start to agent port", "guest agent port open"),
+    ("threads, ping", "VM ready in"),
+    ("rest of runp", "returns sandbox id"),
+)
+
+
+def phases(log: str, pod_id: str) -> list[float]:
+    """Seconds spent in each of PHASES for one pod, from the timestamps in containerd's log
+    (the shim's lines included); [] when a line is missing."""
+    def at(line: str) -> float:
+        stamp = line.split('"', 2)[1]  # time="2026-11-22T17:30:52.344193028Z"
+        hms = stamp.split("T", 1)[1].rstrip("Z")
+        h, m, sec = hms.split(":")
+        return int(h) * 3600 + int(m) * 60 + float(sec)
+
+    lines = [ln for ln in log.splitlines() if pod_id in ln or "RunPodSandbox for" in ln]
+    starts = [at(ln) for ln in lines if "RunPodSandbox for" in ln and "returns" not in ln]
+    marks = []
+    for _, needle in PHASES:
+        found = [at(ln) for ln in lines if needle in ln and pod_id in ln]
+        if not found or not starts:
+            return []
+        marks.append(found[0])
+    start = max(t for t in starts if t <= marks[0])
+    return [b - a for a, b in zip([start] + marks, marks)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=5)
     parser.add_argument("--accel", default="tcg")
+    parser.add_argument("--keep-log", type=pathlib.Path, metavar="FILE",
+                        help="copy containerd's log (the shims' lines included) to FILE")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="podvm-pod-bench-") as tmp:
         work = pathlib.Path(tmp)
@@ -45,7 +78,7 @@ def main() -> int:
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)
             crictl = Crictl(ctd.cri_endpoint, timeout="120s")
-            ready, shim_rss, qemu_rss = [], [], []
+            ready, shim_rss, qemu_rss, spent = [], [], [], []
             for i in range(args.pods):
                 pod_file = write_config(work, f"pod{i}.json", pod_config(ctd, work, f"b{i}"))
                 started = time.monotonic()
@@ -57,10 +90,21 @@ def main() -> int:
                 qemu_rss += [rss_mb(pid) for pid in pod_qemus(pod_id)]
                 crictl.run("stopp", pod_id)
                 crictl.run("rmp", pod_id)
+                spent.append(phases(ctd.log(), pod_id))
+                print(f"pod {i}: runp to ready {ready[-1]:.2f} s ("
+                      + ", ".join(f"{name} {t:.2f}" for (name, _), t in zip(PHASES, spent[-1]))
+                      + ")", flush=True)
+            if args.keep_log:
+                shutil.copyfile(ctd.log_path, args.keep_log)
     manifest = json.loads((GUEST / "manifest.json").read_text())
     print(f"{args.pods} pods, accel={args.accel}, guest kernel {manifest['kernel_release']}")
     print(f"runp to ready        median {statistics.median(ready):.2f} s, "
           f"max {max(ready):.2f} s   target <= 5 s (TCG)")
+    spent = [p for p in spent if p]
+    if spent:
+        print("  median by phase    " + ", ".join(
+            f"{name} {statistics.median(p[k] for p in spent):.2f}"
+            for k, (name, _) in enumerate(PHASES)))
     print(f"guest image          vmlinux {(GUEST / 'vmlinux').stat().st_size / MIB:.1f} MiB, "
           f"initrd.img {(GUEST / 'initrd.img').stat().st_size / MIB:.1f} MiB")
     print(f"idle pod shim RSS    median {statistics.median(shim_rss):.1f} MB")

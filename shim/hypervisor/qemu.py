@@ -9,6 +9,7 @@ import os
 import signal
 
 from qemu.qmp import QMPClient
+from qemu.qmp.protocol import ConnectError
 
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..resources.update import MEMORY_BLOCK_MIB
@@ -154,9 +155,16 @@ class QemuVM(VM):
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
-        while not os.path.exists(self.qmp_socket):
+        while True:  # the socket file appears a moment before QEMU listens on it
+            if os.path.exists(self.qmp_socket):
+                try:
+                    await qmp.connect(self.qmp_socket)
+                    break
+                except ConnectError as exc:
+                    if not isinstance(exc.__cause__, ConnectionRefusedError):
+                        raise
+                    log.debug("QMP not listening yet: %s", exc)
             await asyncio.sleep(0.005)
-        await qmp.connect(self.qmp_socket)
         self._qmp = qmp
         # Connected before the guest runs: a guest that opens its port while the host
         # side is unconnected reads end-of-file.
