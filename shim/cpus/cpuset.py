@@ -10,8 +10,7 @@ from typing import Iterable
 
 from cgroups.limits import format_cpu_list, parse_cpu_list
 
-__all__ = ["format_cpu_list", "parse_cpu_list", "online_cpus", "union", "core_siblings",
-           "describe"]
+__all__ = ["format_cpu_list", "parse_cpu_list", "online_cpus", "union", "core_siblings"]
 
 SYS_CPU = "/sys/devices/system/cpu"
 
@@ -48,11 +47,3 @@ def core_siblings(cpus: Iterable[int], sys_cpu: str = SYS_CPU) -> dict[int, froz
         except (OSError, ValueError):
             siblings[cpu] = frozenset({cpu})
     return siblings
-
-
-def describe(cpus: Iterable[int]) -> str:
-    """A set for messages: `1-3 (3 CPUs)`; `none` when empty."""
-    cpus = frozenset(cpus)
-    if not cpus:
-        return "none"
-    return f"{format_cpu_list(cpus)} ({len(cpus)} CPU{'s' if len(cpus) != 1 else ''})"

@@ -57,13 +57,9 @@ def pod_totals(sandbox: ContainerResources,
 
 def cpuset_union(cpusets) -> str:
     """Kernel list syntax in, canonical kernel list syntax out; '' = no restriction."""
-    from cgroups.limits import format_cpu_list, parse_cpu_list
+    from ..cpus.cpuset import format_cpu_list, union
 
-    cpus: set[int] = set()
-    for text in cpusets:
-        if text:
-            cpus |= parse_cpu_list(text, "cpuset")
-    return format_cpu_list(cpus)
+    return format_cpu_list(union(cpusets))
 
 
 @dataclass(frozen=True)

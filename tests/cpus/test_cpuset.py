@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cgroups import InvalidLimits
-from shim.cpus.cpuset import core_siblings, describe, online_cpus, union
+from shim.cpus.cpuset import core_siblings, online_cpus, union
 
 
 def test_union_of_the_containers_cpusets() -> None:
@@ -31,9 +31,3 @@ def test_online_cpus_and_siblings_from_sysfs(tmp_path) -> None:
 def test_this_host() -> None:
     cpus = online_cpus()
     assert cpus and all(cpu in core_siblings(cpus)[cpu] for cpu in cpus)
-
-
-def test_describe() -> None:
-    assert describe({3, 1, 2}) == "1-3 (3 CPUs)"
-    assert describe({5}) == "5 (1 CPU)"
-    assert describe(()) == "none"
