@@ -10,6 +10,8 @@ import json
 import os
 import pathlib
 import tarfile
+import time
+import uuid
 
 from google.protobuf.empty_pb2 import Empty
 
@@ -101,7 +103,8 @@ class EventSink:
 async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
                     runtime: dict | None = None, **qemu: object):
     """A pod's shim started as containerd starts it, with the sandbox container created
-    (and its cgroup under the parent of `cgroups_path`); everything stopped afterwards."""
+    (and its cgroup under the parent of `cgroups_path`, by default a pod cgroup of the
+    test's own); everything stopped and removed afterwards, the pod cgroup included."""
     require_root()
     grpc = str(tmp_path / "containerd.sock")
     sink = EventSink()
@@ -110,8 +113,8 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     bundle = tmp_path / "sb"
     (bundle / "rootfs").mkdir(parents=True)
     sandbox_spec = spec(["sleep", "1000"])
-    if cgroups_path:
-        sandbox_spec["linux"]["cgroupsPath"] = cgroups_path
+    cgroups_path = cgroups_path or f"/podvm-tasktest-{uuid.uuid4().hex[:8]}/sb"
+    sandbox_spec["linux"]["cgroupsPath"] = cgroups_path
     (bundle / "config.json").write_text(json.dumps(sandbox_spec))
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
     started = run_shim(bundle, "sb", "start", grpc, namespace=NS,
@@ -151,6 +154,29 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
         await client.close()
         await events_server.close()
         run_shim(bundle, "sb", "delete", grpc, namespace=NS)
+        remove_cgroup_dirs(cgroups_path.rsplit("/", 1)[0], "/podvm_overhead")
+
+
+def remove_cgroup_dirs(*paths: str) -> None:
+    """Empty cgroup directories a test made (kubelet's pod cgroup in real life), in every
+    hierarchy; one a process still leaves (a daemon `delete` just killed) gets a moment."""
+    import cgroups
+
+    state = cgroups.detect().to_state()
+    mounts = [h["mountpoint"] for h in state.get("hierarchies", [])] or [state["mountpoint"]]
+    for path in paths:
+        for mount in mounts:
+            directory = pathlib.Path(mount) / path.strip("/")
+            for _ in range(50):
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno == 39:  # not empty: someone else's (another sandbox)
+                        break
+                    time.sleep(0.1)
 
 
 async def create(ctx: dict, cid: str, bundle: pathlib.Path, fifos: Fifos,
