@@ -484,6 +484,15 @@ class TaskService:
         for task in list(self._background):
             task.cancel()
 
+    def end_processes(self, status: int) -> None:
+        """The VM was stopped under the pod's processes (the Sandbox API's StopSandbox):
+        each one still alive has exited with `status`, and containerd hears it."""
+        now = time.time_ns()
+        for container in list(self.containers.values()):
+            for proc in (container.init, *container.execs.values()):
+                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
+                    self._exited(proc, status, now)
+
     # --- processes -----------------------------------------------------------------
 
     async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:

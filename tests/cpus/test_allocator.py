@@ -158,7 +158,7 @@ def _reserve(directory: str, name: str, queue) -> None:
 
 
 def test_concurrent_shims_never_share_a_cpu(tmp_path) -> None:
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork from a threaded pytest can deadlock
     queue = ctx.Queue()
     procs = [ctx.Process(target=_reserve, args=(str(tmp_path), f"pod-{i}", queue))
              for i in range(6)]
@@ -175,8 +175,9 @@ def test_concurrent_shims_never_share_a_cpu(tmp_path) -> None:
 
 
 def _shim(directory: str, name: str, queue) -> None:
-    """A shim: holds one CPU for itself, churns another, lives until killed."""
-    a = Allocator(directory, pool="0-7")
+    """A shim: holds one CPU for itself, churns another, lives until killed. The pool
+    has room for every shim's two at once: the race tested is on the file, not for CPUs."""
+    a = Allocator(directory, pool="0-11")
     cpus = a.reserve(name, 1)
     for i in range(20):
         try:
@@ -189,7 +190,7 @@ def _shim(directory: str, name: str, queue) -> None:
 
 
 def test_shims_racing_and_dying(tmp_path) -> None:
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork from a threaded pytest can deadlock
     queue = ctx.Queue()
     procs = [ctx.Process(target=_shim, args=(str(tmp_path), f"pod-{i}", queue))
              for i in range(6)]
@@ -199,7 +200,7 @@ def test_shims_racing_and_dying(tmp_path) -> None:
         held = dict(queue.get(timeout=60) for _ in procs)
         flat = [c for cpus in held.values() for c in cpus]
         assert len(flat) == len(set(flat)) == 6  # nobody shares
-        a = Allocator(str(tmp_path), pool="0-7")
+        a = Allocator(str(tmp_path), pool="0-11")
         assert {k: sorted(v) for k, v in a.reservations().items()} == held
         for p in procs[:3]:
             os.kill(p.pid, signal.SIGKILL)
