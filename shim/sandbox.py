@@ -68,7 +68,6 @@ class Sandbox:
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         self._persist()
-        self.cgroup.create(self.plan)
         spec = VMSpec(
             sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
             vcpus=self.plan.vcpus, max_vcpus=self.plan.max_vcpus,
@@ -76,7 +75,10 @@ class Sandbox:
             hypervisor=q, config_source=self.config.source)
         from .hypervisor.qemu import QemuVM  # qemu.qmp is loaded only by a pod's first Create
 
-        self.vm = QemuVM(spec)
+        vm = QemuVM(spec)
+        vm.check_files()  # a missing kernel is refused before any cgroup is made
+        self.cgroup.create(self.plan)
+        self.vm = vm
         try:
             await self.vm.launch(preexec=self.cgroup.preexec())
             self._state["qemu_pid"] = self.vm.pid
