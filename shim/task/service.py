@@ -344,11 +344,7 @@ class TaskService:
             return  # stopped on purpose
         log.error("sandbox %s: QEMU exited with status %d while the pod was running; guest "
                   "console: %s", sandbox.id, status, sandbox.console_tail())
-        now = time.time_ns()
-        for container in list(self.containers.values()):
-            for proc in (container.init, *container.execs.values()):
-                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
-                    self._exited(proc, VM_GONE_STATUS, now)
+        now = self.end_processes(VM_GONE_STATUS)
         if self.pod_owner is not None:
             self.pod_owner.vm_gone(VM_GONE_STATUS, now)
 
@@ -484,14 +480,16 @@ class TaskService:
         for task in list(self._background):
             task.cancel()
 
-    def end_processes(self, status: int) -> None:
-        """The VM was stopped under the pod's processes (the Sandbox API's StopSandbox):
-        each one still alive has exited with `status`, and containerd hears it."""
+    def end_processes(self, status: int) -> int:
+        """The VM is gone from under the pod's processes (it died, or the Sandbox API's
+        StopSandbox stopped it): each one still alive has exited with `status`, and
+        containerd hears it. The exit time (ns)."""
         now = time.time_ns()
         for container in list(self.containers.values()):
             for proc in (container.init, *container.execs.values()):
                 if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
                     self._exited(proc, status, now)
+        return now
 
     # --- processes -----------------------------------------------------------------
 
