@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 
-from . import cleanup, log as shimlog, manager, paths
+from . import cleanup, errors, log as shimlog, manager, paths
 from .events import Publisher
 from .flags import Flags
 from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2
@@ -52,7 +52,8 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     sandboxes = _OnFirstCall(lambda: _sandbox_service(tasks, lambda: loop.call_soon(stop.set)))
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
     server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES] + [
-        bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], sandboxes)])
+        bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], sandboxes)],
+        answer=errors.to_ttrpc)
     await server.start(sock)
     log.info("serving %s and %s on %s (pid %d)", "/".join(TASK_SERVICES), SANDBOX_SERVICE,
              flags.socket, os.getpid())

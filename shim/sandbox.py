@@ -89,9 +89,15 @@ class Sandbox:
             self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
             info = await self.agent.ping(timeout=q.boot_timeout)
         except BaseException as exc:
-            log.error("sandbox %s: boot failed (%s); guest console: %s", self.id, exc,
-                      self.console_tail())
+            # QEMU dying after launch shows up as a broken agent or QMP call: say how
+            # QEMU ended instead, in its own words.
+            gone = await vm.exited(grace=1) if isinstance(exc, Exception) and \
+                not isinstance(exc, HypervisorError) else None
+            log.error("sandbox %s: boot failed (%s); guest console: %s", self.id,
+                      gone or exc, self.console_tail())
             await self.shutdown()
+            if gone is not None:
+                raise gone from None
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)

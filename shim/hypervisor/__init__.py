@@ -1,4 +1,6 @@
 """Hypervisor drivers: one interface, one implementation per VMM (QEMU today)."""
-from .base import BootTimeout, HypervisorError, MissingFile, ThreadRole, VM, VMSpec
+from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, ThreadRole, VM,
+                   VMExited, VMSpec)
 
-__all__ = ["BootTimeout", "HypervisorError", "MissingFile", "ThreadRole", "VM", "VMSpec"]
+__all__ = ["BootTimeout", "CannotGrow", "HypervisorError", "MissingFile", "ThreadRole", "VM",
+           "VMExited", "VMSpec"]

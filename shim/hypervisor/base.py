@@ -12,15 +12,24 @@ from ..config import QemuConfig
 
 
 class HypervisorError(Exception):
-    pass
+    """The VM could not be had or used: the message says what the VMM said and what to
+    change. shim/errors.py gives each kind its one ttrpc code."""
 
 
 class BootTimeout(HypervisorError):
-    pass
+    """The guest did not reach its agent in time (the VM was killed)."""
+
+
+class VMExited(HypervisorError):
+    """The VMM process is gone: it aborted at start, or was killed or crashed later."""
 
 
 class MissingFile(HypervisorError):
     """The VMM, kernel or initrd the configuration names is not there."""
+
+
+class CannotGrow(HypervisorError):
+    """The VM is running but refuses a hot-plug (no free slot, above maxmem)."""
 
 
 class ThreadRole(str, enum.Enum):
@@ -86,6 +95,12 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def wait(self) -> int:
         """Block until the VMM process exits; its exit status."""
+
+    @abc.abstractmethod
+    async def exited(self, grace: float = 0) -> VMExited | None:
+        """The VMExited error that tells how the VMM ended (its own last words, the
+        guest console), waiting up to `grace` seconds for an exit under way; None while
+        it runs."""
 
     @abc.abstractmethod
     async def size(self) -> tuple[int, int]:

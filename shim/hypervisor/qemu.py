@@ -8,12 +8,15 @@ import logging
 import os
 import signal
 
-from qemu.qmp import QMPClient
-from qemu.qmp.protocol import ConnectError
+from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..resources.update import MEMORY_BLOCK_MIB
-from .base import BootTimeout, HypervisorError, MissingFile, ThreadRole, VM, VMSpec
+from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, ThreadRole, VM,
+                   VMExited, VMSpec)
+
+# What a QMP call or the agent's first connection raises when QEMU dies under it.
+VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
 
 log = logging.getLogger("podvm.qemu")
 
@@ -41,6 +44,7 @@ class QemuVM(VM):
         self._qmp: QMPClient | None = None
         self._exit_status: int | None = None
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._booted = False
 
     @property
     def pid(self) -> int:
@@ -130,6 +134,19 @@ class QemuVM(VM):
         except TimeoutError:
             await self.stop(timeout=0)
             raise BootTimeout(self._boot_timeout_message()) from None
+        except HypervisorError:
+            await self.stop(timeout=0)
+            raise
+        except VANISHED as exc:
+            # QEMU died under the QMP handshake (an abort at start reads as EOF there):
+            # its exit, not the broken socket, is what the user needs to hear about.
+            gone = await self.exited(grace=2)
+            await self.stop(timeout=0)
+            if gone is not None:
+                raise gone from None
+            raise HypervisorError(f"cannot attach to QEMU of sandbox {self.spec.sandbox_id}: "
+                                  f"{type(exc).__name__}: {exc}; QEMU said: "
+                                  f"{self._qemu_log_tail()}; {self._accel_hint()}") from None
         except BaseException:
             await self.stop(timeout=0)
             raise
@@ -148,10 +165,39 @@ class QemuVM(VM):
 
     async def _exited_early(self) -> None:
         assert self._proc is not None
-        status = await self._proc.wait()
-        raise HypervisorError(f"QEMU exited with status {status} before the guest came up: "
-                              f"{self._qemu_log_tail()}; guest console ends with: "
-                              f"{_tail(self.console_log) or '(nothing)'}")
+        await self._proc.wait()
+        gone = await self.exited()
+        assert gone is not None
+        raise gone
+
+    async def exited(self, grace: float = 0) -> VMExited | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.returncode is None and grace > 0:
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                pass
+        if proc.returncode is None:
+            return None
+        status = proc.returncode
+        how = (f"was killed by signal {signal.Signals(-status).name}" if status < 0
+               else f"exited with status {status}")
+        when = "while the pod was running" if self._booted else "before the guest came up"
+        return VMExited(f"QEMU (pid {proc.pid}) of sandbox {self.spec.sandbox_id} {how} "
+                        f"{when}; QEMU said: {self._qemu_log_tail()}; guest console ends "
+                        f"with: {_tail(self.console_log) or '(nothing)'}; "
+                        f"{self._accel_hint()}")
+
+    def _accel_hint(self) -> str:
+        q = self.spec.hypervisor
+        where = self.spec.config_source or DEFAULT_CONFIG
+        hint = f"[hypervisor.qemu] accel = \"{q.accel}\" in {where}"
+        if q.accel == "kvm":
+            hint += ("; if KVM cannot run guests on this host (nested virtualization), "
+                     "set accel = \"tcg\" there")
+        return hint
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
@@ -175,19 +221,15 @@ class QemuVM(VM):
                 data = event.get("data", {})
                 if data.get("id") == "agentport" and data.get("open"):
                     log.info("guest agent port open")
+                    self._booted = True
                     return
 
     def _boot_timeout_message(self) -> str:
         q = self.spec.hypervisor
-        msg = (f"the guest of sandbox {self.spec.sandbox_id} did not come up within "
-               f"{q.boot_timeout}s (accel={q.accel})")
-        if q.accel == "kvm":
-            msg += ("; if KVM cannot run guests on this host (nested virtualization), set "
-                    "[hypervisor.qemu] accel = \"tcg\"")
-            if self.spec.config_source:
-                msg += f" in {self.spec.config_source}"
-        tail = _tail(self.console_log)
-        return msg + (f"; guest console ends with: {tail}" if tail else "")
+        return (f"the guest of sandbox {self.spec.sandbox_id} did not come up within "
+                f"{q.boot_timeout}s (accel={q.accel}); QEMU said: {self._qemu_log_tail()}; "
+                f"guest console ends with: {_tail(self.console_log) or '(nothing)'}; "
+                f"{self._accel_hint()}")
 
     def console_tail(self, size: int = 2000) -> str:
         return _tail(self.console_log, size) or "(nothing)"
@@ -196,10 +238,8 @@ class QemuVM(VM):
         return _tail(os.path.join(self.spec.workdir, "qemu.log")) or "(no output)"
 
     async def threads(self) -> dict[ThreadRole, list[int]]:
-        if self._qmp is None:
-            raise HypervisorError("VM is not running")
-        cpus = await self._qmp.execute("query-cpus-fast")
-        iothreads = await self._qmp.execute("query-iothreads")
+        cpus = await self._execute("query-cpus-fast")
+        iothreads = await self._execute("query-iothreads")
         roles: dict[ThreadRole, list[int]] = {  # vCPUs in vCPU index order
             ThreadRole.VCPU: [c["thread-id"] for c in sorted(  # type: ignore[index]
                 cpus, key=lambda c: c["cpu-index"])],  # type: ignore[index]
@@ -210,20 +250,29 @@ class QemuVM(VM):
         try:
             tasks = [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
         except FileNotFoundError:
-            raise HypervisorError("QEMU is gone") from None
+            raise (await self.exited(grace=2)) or HypervisorError("QEMU is gone") from None
         roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
         return roles
 
-    def _require_qmp(self) -> QMPClient:
+    async def _execute(self, command: str, arguments: dict | None = None) -> object:
+        """One QMP command. QEMU refusing it raises ExecuteError (the caller says what
+        was refused); QEMU gone raises VMExited with its last words."""
         if self._qmp is None:
-            raise HypervisorError(f"VM of sandbox {self.spec.sandbox_id} is not running")
-        return self._qmp
+            raise (await self.exited()) or HypervisorError(
+                f"VM of sandbox {self.spec.sandbox_id} is not running")
+        try:
+            return await self._qmp.execute(command, arguments)
+        except ExecuteError:
+            raise
+        except VANISHED as exc:
+            raise (await self.exited(grace=2)) or HypervisorError(
+                f"QMP {command} to QEMU of sandbox {self.spec.sandbox_id} failed: "
+                f"{type(exc).__name__}: {exc}") from None
 
     async def size(self) -> tuple[int, int]:
         """vCPUs present and memory (MiB, boot + plugged) as QEMU reports them now."""
-        qmp = self._require_qmp()
-        cpus = await qmp.execute("query-cpus-fast")
-        memory = await qmp.execute("query-memory-size-summary")
+        cpus = await self._execute("query-cpus-fast")
+        memory = await self._execute("query-memory-size-summary")
         total = memory["base-memory"] + memory.get("plugged-memory", 0)  # type: ignore[index]
         return len(cpus), total >> 20  # type: ignore[arg-type]
 
@@ -232,23 +281,22 @@ class QemuVM(VM):
         them); their host thread ids. There is no unplug: after a device_del of a vCPU,
         QEMU 7.2 under TCG crashes (double free) on its next device_add, so a VM shrinks
         by taking vCPUs offline in the guest instead (their threads then sleep)."""
-        qmp = self._require_qmp()
-        slots = await qmp.execute("query-hotpluggable-cpus")
+        slots = await self._execute("query-hotpluggable-cpus")
         free = sorted((s for s in slots if "qom-path" not in s),  # type: ignore[union-attr]
                       key=lambda s: tuple(sorted(s["props"].items())))
         if count > len(free):
-            raise HypervisorError(f"cannot add {count} vCPUs: only {len(free)} of "
+            raise CannotGrow(f"cannot add {count} vCPUs: only {len(free)} of "
                                   f"{len(slots)} slots are free (maxcpus)")  # type: ignore[arg-type]
-        before = {c["thread-id"] for c in await qmp.execute("query-cpus-fast")}  # type: ignore[union-attr]
+        before = {c["thread-id"] for c in await self._execute("query-cpus-fast")}  # type: ignore[union-attr]
         try:
             for slot in free[:count]:
                 props = dict(slot["props"])
                 device_id = "vcpu-" + "-".join(str(props[k]) for k in sorted(props))
-                await qmp.execute("device_add", {"driver": slot["type"], "id": device_id,
-                                                 **props})
-        except Exception as exc:
-            raise HypervisorError(f"vCPU hot-plug failed: {exc}") from None
-        after = await qmp.execute("query-cpus-fast")
+                await self._execute("device_add", {"driver": slot["type"], "id": device_id,
+                                                   **props})
+        except ExecuteError as exc:
+            raise CannotGrow(f"vCPU hot-plug refused by QEMU: {exc}") from None
+        after = await self._execute("query-cpus-fast")
         return sorted(c["thread-id"] for c in after  # type: ignore[union-attr]
                       if c["thread-id"] not in before)
 
@@ -256,23 +304,25 @@ class QemuVM(VM):
         """Hot-plug `mib` MiB as one pc-dimm (the guest onlines its blocks); MiB added.
         Memory is never taken back: a guest cannot be trusted to give it up."""
         if mib <= 0 or mib % MEMORY_BLOCK_MIB:
-            raise HypervisorError(f"memory hot-plug takes multiples of {MEMORY_BLOCK_MIB} "
-                                  f"MiB, not {mib}")
-        qmp = self._require_qmp()
+            raise CannotGrow(f"memory hot-plug takes multiples of {MEMORY_BLOCK_MIB} "
+                             f"MiB, not {mib}")
         _, total = await self.size()
         if total + mib > self.spec.max_memory_mib:
-            raise HypervisorError(f"cannot add {mib} MiB: the VM has {total} MiB and may "
-                                  f"grow to {self.spec.max_memory_mib} MiB (maxmem)")
-        dimms = [d for d in await qmp.execute("query-memory-devices")]  # type: ignore[union-attr]
+            raise CannotGrow(f"cannot add {mib} MiB: the VM has {total} MiB and may "
+                             f"grow to {self.spec.max_memory_mib} MiB (maxmem)")
+        dimms = [d for d in await self._execute("query-memory-devices")]  # type: ignore[union-attr]
         name = f"mem{len(dimms)}"
-        await qmp.execute("object-add", {"qom-type": "memory-backend-ram", "id": name,
-                                         "size": mib << 20})
         try:
-            await qmp.execute("device_add", {"driver": "pc-dimm", "id": f"dimm{len(dimms)}",
-                                             "memdev": name})
-        except Exception as exc:
-            await qmp.execute("object-del", {"id": name})
-            raise HypervisorError(f"memory hot-plug of {mib} MiB failed: {exc}") from None
+            await self._execute("object-add", {"qom-type": "memory-backend-ram", "id": name,
+                                               "size": mib << 20})
+        except ExecuteError as exc:
+            raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
+        try:
+            await self._execute("device_add", {"driver": "pc-dimm",
+                                               "id": f"dimm{len(dimms)}", "memdev": name})
+        except ExecuteError as exc:
+            await self._execute("object-del", {"id": name})
+            raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
         return mib
 
     async def stop(self, timeout: float = 10) -> None:

@@ -11,16 +11,15 @@ from typing import TYPE_CHECKING, Callable
 
 from google.protobuf.empty_pb2 import Empty
 
-from .. import __version__, config, guestspec, paths
+from .. import __version__, config, errors, guestspec, paths
 from ..events import Publisher
-from ..hypervisor import HypervisorError, MissingFile
+from ..hypervisor import HypervisorError
 from ..mounts import Mount
 from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
 from ..pb.containerd.types.task_pb2 import ProcessInfo
-from ..resources import (ContainerResources, NoFit, PlanError, SandboxPlan,
-                         StaticSizeExceeded)
+from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
 from ..stdio import ProcessIO, Stdio
 from ..ttrpc import Code, Context, TtrpcError
@@ -52,6 +51,8 @@ class TaskService:
         self.pod_owner = None
         """The Sandbox API's service when it created this pod (no sandbox container)."""
         self._resizing = asyncio.Lock()
+        self._vm_gone: HypervisorError | None = None
+        """How the pod's QEMU ended, when it died under a running pod."""
 
     # --- lookups -------------------------------------------------------------------
 
@@ -65,6 +66,8 @@ class TaskService:
         return self._container(container_id).process(exec_id)
 
     def _agent(self):
+        if self._vm_gone is not None:
+            raise errors.to_ttrpc(self._vm_gone)
         if self.sandbox is None or self.sandbox.agent is None:
             raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
         return self.sandbox.agent
@@ -160,22 +163,16 @@ class TaskService:
         try:
             sandbox = Sandbox(self.namespace, container_id, cfg, plan, cgroups_path)
         except cgroups.CgroupError as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: cgroup of sandbox "
-                             f"{container_id}: {exc}") from None
+            raise errors.to_ttrpc(exc, f"cgroup of sandbox {container_id}") from None
         for line in sandbox.plan.explanation:
             log.info("sandbox %s plan: %s", container_id, line)
         started = time.monotonic()
         try:
             await sandbox.boot()
-        except MissingFile as exc:
-            raise TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}") from None
-        except cgroups.InvalidLimits as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm: sandbox cgroup: {exc}") from None
         except cgroups.CgroupError as exc:
-            raise TtrpcError(Code.FAILED_PRECONDITION,
-                             f"podvm: sandbox cgroup: {exc}") from None
+            raise errors.to_ttrpc(exc, "sandbox cgroup") from None
         except HypervisorError as exc:
-            raise TtrpcError(Code.UNAVAILABLE, f"podvm: {exc}") from None
+            raise errors.to_ttrpc(exc) from None
         log.info("sandbox %s: VM ready in %.2fs", container_id, time.monotonic() - started)
         self.sandbox, self._sandbox_container = sandbox, container_id
         self._spawn(self._watch_vm(sandbox))
@@ -315,13 +312,8 @@ class TaskService:
                 if delta.plan != sandbox.plan:
                     try:
                         await sandbox.resize(delta)
-                    except cgroups.InvalidLimits as exc:
-                        raise TtrpcError(Code.INVALID_ARGUMENT,
-                                         f"podvm: sandbox cgroup: {exc}") from None
                     except (HypervisorError, cgroups.CgroupError) as exc:
-                        raise TtrpcError(Code.FAILED_PRECONDITION,
-                                         f"podvm: resizing sandbox {sandbox.id}: {exc}"
-                                         ) from None
+                        raise errors.to_ttrpc(exc, f"resizing sandbox {sandbox.id}") from None
             except (TtrpcError, PlanError) as exc:
                 if isinstance(exc, PlanError):
                     exc = _planning_error(exc)
@@ -339,11 +331,11 @@ class TaskService:
 
     async def _watch_vm(self, sandbox: Sandbox) -> None:
         assert sandbox.vm is not None
-        status = await sandbox.vm.wait()
+        await sandbox.vm.wait()
         if self.sandbox is not sandbox:
             return  # stopped on purpose
-        log.error("sandbox %s: QEMU exited with status %d while the pod was running; guest "
-                  "console: %s", sandbox.id, status, sandbox.console_tail())
+        self._vm_gone = await sandbox.vm.exited()
+        log.error("sandbox %s: %s", sandbox.id, self._vm_gone)
         now = self.end_processes(VM_GONE_STATUS)
         if self.pod_owner is not None:
             self.pod_owner.vm_gone(VM_GONE_STATUS, now)
@@ -639,12 +631,12 @@ class StaticRefusal(TtrpcError):
 
 
 def _planning_error(exc: Exception) -> TtrpcError:
-    """A planning error as the status code it means."""
-    if isinstance(exc, NoFit):
-        return TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}")
-    if isinstance(exc, StaticSizeExceeded):
-        return TtrpcError(Code.FAILED_PRECONDITION, f"podvm: {exc}")
-    return TtrpcError(Code.INVALID_ARGUMENT, f"podvm: {exc}")
+    """A planning error as the status code it means; a value the model could not read
+    is the request's fault."""
+    answer = errors.to_ttrpc(exc)
+    if answer.code is Code.UNKNOWN:
+        return TtrpcError(Code.INVALID_ARGUMENT, answer.message)
+    return answer
 
 
 def _planned(compute):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Iterable
+from typing import Callable, Iterable
 
 from google.protobuf.message import DecodeError
 
@@ -23,8 +23,12 @@ log = logging.getLogger("podvm.ttrpc")
 
 
 class Server:
-    def __init__(self, services: Iterable[Service] = ()) -> None:
+    def __init__(self, services: Iterable[Service] = (),
+                 answer: Callable[[Exception], TtrpcError] | None = None) -> None:
+        """`answer`: the reply to a handler's own typed error (code UNKNOWN for a bug);
+        without it every error that is not a TtrpcError is UNKNOWN."""
         self._services: dict[str, Service] = {}
+        self._answer = answer or (lambda exc: TtrpcError(Code.UNKNOWN, str(exc)))
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         for service in services:
@@ -61,7 +65,7 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
-        conn = _Connection(self._services, reader, writer)
+        conn = _Connection(self._services, reader, writer, self._answer)
         try:
             await conn.run()
         except asyncio.CancelledError:
@@ -73,8 +77,10 @@ class Server:
 
 class _Connection:
     def __init__(self, services: dict[str, Service], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+                 writer: asyncio.StreamWriter,
+                 answer: Callable[[Exception], TtrpcError]) -> None:
         self._services = services
+        self._answer = answer
         self._reader = reader
         self._writer = writer
         self._last_stream_id = 0
@@ -133,8 +139,11 @@ class _Connection:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a handler bug must not take the connection down
-            log.exception("ttrpc: handler failed")
-            await self._send_status(stream_id, Code.UNKNOWN, f"{type(exc).__name__}: {exc}")
+            answer = self._answer(exc)
+            if answer.code is Code.UNKNOWN:
+                log.exception("ttrpc: handler failed")
+                answer = TtrpcError(Code.UNKNOWN, f"{type(exc).__name__}: {exc}")
+            await self._send_status(stream_id, answer.code, answer.message)
             return
         if len(payload) > framing.MAX_DATA - 16:
             await self._send_status(stream_id, Code.RESOURCE_EXHAUSTED,

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from shim.pb.containerd.task.v2 import shim_pb2 as task
-from shim.ttrpc import Client, TtrpcError
+from shim.ttrpc import Client, Server, TtrpcError, bind
 from shim.ttrpc.codes import Code
 from shim.ttrpc.framing import MAX_DATA
 
@@ -120,3 +120,29 @@ async def test_server_close_fails_outstanding_calls(server, socket_path: str) ->
     with pytest.raises(ConnectionClosed):
         await pending
     await c.close()
+
+
+async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None:
+    """A handler's own typed error (here: the VM died) reaches containerd with the one
+    code shim/errors.py gives it, not UNKNOWN, and the connection stays usable."""
+    from shim import errors
+    from shim.hypervisor import VMExited
+
+    class Dying:
+        async def State(self, req: task.StateRequest, ctx) -> task.StateResponse:
+            raise VMExited("QEMU (pid 7) was killed by signal SIGKILL")
+
+    path = str(tmp_path / "typed.sock")
+    srv = Server([bind(task.DESCRIPTOR.services_by_name["Task"], Dying())],
+                 answer=errors.to_ttrpc)
+    await srv.start_path(path)
+    c = await Client.connect(path)
+    try:
+        for _ in range(2):
+            with pytest.raises(TtrpcError) as err:
+                await c.call(SERVICE, "State", task.StateRequest(id="x"), task.StateResponse)
+            assert err.value.code == Code.UNAVAILABLE
+            assert err.value.message == "podvm: QEMU (pid 7) was killed by signal SIGKILL"
+    finally:
+        await c.close()
+        await srv.close()
