@@ -12,6 +12,10 @@ from .errors import CgroupBusy, CgroupError, CgroupIOError, ProcessGone
 
 RMDIR_TIMEOUT = 2.0
 """Seconds to wait for a cgroup whose last task is still exiting."""
+EVACUATE_TIMEOUT = 30.0
+"""Seconds to keep moving tasks out of a cgroup: a task that is exiting cannot be moved
+(the kernel skips it without an error) and leaves only when its exit is done, which a
+busy machine can make slow for a VMM with a large address space."""
 
 
 def read_value(path: str) -> str:
@@ -63,6 +67,24 @@ def read_ids(path: str) -> list[int]:
     """A tasks / cgroup.procs / cgroup.threads file; [] when the cgroup is gone."""
     text = read_optional(path)
     return [int(line) for line in text.split()] if text else []
+
+
+def evacuate(members: Callable[[], list[int]], move: Callable[[int], None], what: str,
+             timeout: float = EVACUATE_TIMEOUT) -> None:
+    """Move every member (`members()` reads them now) out with `move`, none killed, until
+    none is left; with short pauses, since exiting tasks stay listed until they are gone.
+    CgroupError, naming what is left, after `timeout`."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while ids := members():
+        if time.monotonic() >= deadline:
+            raise CgroupError(f"{what} still has tasks {' '.join(map(str, ids[:8]))} after "
+                              f"{timeout:.0f}s of moving them out")
+        for ident in ids:
+            move(ident)
+        if members():
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
 
 def make_dir(path: str) -> bool:

@@ -8,7 +8,7 @@ import os
 from typing import Iterable, Mapping
 
 from .errors import CgroupError, InvalidLimits, ProcessGone
-from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
+from .fs import (NewDirectories, Transaction, evacuate, read_ids, read_optional, read_value,
                  remove_dir, write_id, write_value)
 from .layout import CHILDREN, VCPUS, VMM, SandboxLayout
 from .limits import (DEFAULT_PERIOD_US, DEFAULT_SHARES, CgroupLimits, format_cpu_list,
@@ -25,7 +25,6 @@ CPUSET_FILES = ("cpuset.cpus", "cpuset.mems")
 REPORT_FILES = ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares", "cpuacct.usage",
                 "memory.limit_in_bytes", "memory.usage_in_bytes", "pids.max", "pids.current",
                 "cpuset.cpus", "cpuset.mems", "cpuset.effective_cpus", "devices.list")
-EVACUATE_ROUNDS = 20
 
 
 class CgroupV1Manager(CgroupManager):
@@ -300,15 +299,11 @@ def _set_devices(directory: str, lines: tuple[str, ...]) -> None:
 
 
 def _evacuate(tasks_file: str, target: str) -> None:
-    """Move every task out (none is killed); repeat while tasks keep appearing."""
-    for _ in range(EVACUATE_ROUNDS):
-        tids = read_ids(tasks_file)
-        if not tids:
-            return
-        for tid in tids:
-            try:
-                write_id(target, tid)
-            except ProcessGone:
-                pass
-    raise CgroupError(f"{tasks_file} still has tasks after {EVACUATE_ROUNDS} rounds of "
-                      f"moving them to {target}")
+    """Move every task out (none is killed), until none is left."""
+    def move(tid: int) -> None:
+        try:
+            write_id(target, tid)
+        except ProcessGone:
+            pass
+
+    evacuate(lambda: read_ids(tasks_file), move, tasks_file)

@@ -10,7 +10,7 @@ import os
 from typing import Mapping
 
 from .errors import CgroupError, CgroupIOError, InvalidLimits, ProcessGone
-from .fs import (NewDirectories, Transaction, read_ids, read_optional, read_value,
+from .fs import (NewDirectories, Transaction, evacuate, read_ids, read_optional, read_value,
                  remove_dir, write_id, write_value)
 from .layout import CHILDREN, VMM, SandboxLayout
 from .limits import DEFAULT_PERIOD_US, CgroupLimits, format_cpu_list, or_max, parse_cpu_list
@@ -29,7 +29,6 @@ CHILD_FILES = ("cgroup.type", "cgroup.controllers", "cpu.weight", "cpuset.cpus",
 # Where a process cannot go: a domain with controllers enabled for its children (the
 # no-internal-process rule) or a threaded cgroup.
 _REFUSED_HERE = (errno.EBUSY, errno.EOPNOTSUPP, errno.EINVAL)
-EVACUATE_ROUNDS = 20
 
 
 class CgroupV2Manager(CgroupManager):
@@ -210,16 +209,12 @@ class CgroupV2Manager(CgroupManager):
             return False
         targets = [move_to] if move_to else [
             p for p in layout.ancestors() if self.hierarchy.shows(p)]
-        for _ in range(EVACUATE_ROUNDS):
+        def pids() -> list[int]:
             owners = (process_of(tid) for tid in self.member_threads(layout))
-            pids = sorted({pid for pid in owners if pid is not None})
-            if not pids:
-                break
-            for pid in pids:
-                self._move_out(pid, targets)
-        else:
-            raise CgroupError(f"{layout.sandbox} ({self.describe()}) still has tasks after "
-                              f"{EVACUATE_ROUNDS} rounds of moving them out")
+            return sorted({pid for pid in owners if pid is not None})
+
+        evacuate(pids, lambda pid: self._move_out(pid, targets),
+                 f"{layout.sandbox} ({self.describe()})")
         for path in paths:
             remove_dir(self._dir(path))
         return True

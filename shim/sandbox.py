@@ -269,16 +269,17 @@ def remove_tree(path: str) -> None:
 
 
 def cleanup_from_state(state_dir: str) -> None:
-    """After a crash: kill the recorded QEMU, unmount everything, from sandbox.json."""
+    """After a crash: kill the sandbox's QEMU and wait until it is gone, unmount
+    everything, then remove the cgroups (nothing of the VM is left to create threads
+    in them), from sandbox.json."""
     try:
         with open(os.path.join(state_dir, STATE_FILE)) as f:
             state = json.load(f)
     except (FileNotFoundError, ValueError):
         state = {}
-    pid = state.get("qemu_pid")
-    if isinstance(pid, int) and pid > 0 and _is_qemu_of(pid, state.get("sandbox_id", "")):
-        from .cleanup import kill_and_wait
+    from .cleanup import kill_and_wait
 
+    for pid in qemus_of(state_dir):
         log.info("killing QEMU %d of sandbox %s", pid, state.get("sandbox_id"))
         kill_and_wait(pid)
     mounts.unmount_all(state_dir)
@@ -288,11 +289,19 @@ def cleanup_from_state(state_dir: str) -> None:
         destroy_from_state(state["cgroup"])
 
 
-def _is_qemu_of(pid: int, sandbox_id: str) -> bool:
-    from .cleanup import cmdline
+def qemus_of(state_dir: str) -> list[int]:
+    """The QEMU processes of the sandbox whose state is in `state_dir`, found by the
+    QMP socket on their command line: also a QEMU started just before a crash, whose
+    pid never reached sandbox.json."""
+    import psutil  # delete's path only
 
-    line = cmdline(pid)
-    return b"qemu" in line and f"podvm-{sandbox_id},".encode() in line  # -name podvm-<id>,
+    marker = os.path.join(state_dir, "vm", "qmp.sock")
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and "qemu" in os.path.basename(cmd[0]) and any(marker in a for a in cmd):
+            found.append(proc.pid)
+    return found
 
 
 def host() -> Host:

@@ -129,10 +129,10 @@ async def test_busy_pod_is_charged_to_its_sandbox_cgroup(pod) -> None:
     await create(pod, "busy", workload_bundle(pod, "busy", args=["sh", "-c", script]), fifos)
     await call(pod, "Start", api.StartRequest(id="busy"), api.StartResponse)
     assert b"busy" in await fifos.read(fifos.out, b"busy", timeout=60)
-    await asyncio.sleep(4)
-    figures = charged(pod["qemu_pid"], pod["sandbox_cgroup"])
+    async with asyncio.timeout(120):  # until QEMU has really been busy, however loaded
+        while (figures := charged(pod["qemu_pid"], pod["sandbox_cgroup"]))["qemu_cpu_s"] < 2:
+            await asyncio.sleep(0.2)
     print("accounting:", figures)
-    assert figures["qemu_cpu_s"] > 2  # it really was busy
     assert figures["cgroup_cpu_s"] >= 0.99 * figures["qemu_cpu_s"], figures
     assert figures["cgroup_memory_mib"] >= figures["qemu_anon_mib"], figures
     await call(pod, "Kill", api.KillRequest(id="busy", signal=9, all=True))
@@ -191,6 +191,8 @@ async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs
         os.kill(daemon_pid(NS, "sb"), 9)
         deleted = run_shim(ctx["bundle"], "sb", "delete", ctx["grpc"], namespace=NS)
         assert deleted.returncode == 0, deleted.stderr
+        again = run_shim(ctx["bundle"], "sb", "delete", ctx["grpc"], namespace=NS)
+        assert again.returncode == 0, again.stderr  # containerd may run it twice
         assert not pathlib.Path(f"/proc/{qemu_pid}").exists() or \
             " Z " in pathlib.Path(f"/proc/{qemu_pid}/stat").read_text()
         assert not pathlib.Path(f"/run/podvm/{NS}/sb").exists()
