@@ -145,7 +145,7 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
                               api.StateResponse)
         except ConnectionClosed:
             pass  # containerd takes a closed connection during Shutdown as success
-        await wait_gone(pid, timeout=15)
+        await wait_gone(pid, timeout=60)
         assert not os.path.exists(f"/run/podvm/{NS}/sb")
         sandbox_events = [t for t, _ in sink.events]
         assert sandbox_events[:2] == ["/tasks/create", "/tasks/start"]

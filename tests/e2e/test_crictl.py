@@ -1,17 +1,17 @@
-"""The crictl client and the CRI harness against a real containerd (Debian's 1.6).
-
-Pods run on runc: podvm cannot run containers until its VM backend lands; the podvm test
-only proves that containerd's CRI reaches our shim with the packaged runtime section and
-relays the shim's error. Every test runs with the real crictl too: CRICTL=/path/to/crictl.
+"""The CRI harness every end-to-end test stands on, held to a known-good runtime: our
+crictl-compatible client and the test containerd (Debian's 1.6) drive runc pods here, so
+that a failure in tests/e2e/test_podvm_pods.py (pods in VMs) is podvm's and not the
+harness's. The podvm test here proves the wiring only: containerd's CRI picks the packaged
+podvm runtime section, starts our shim with the ConfigPath it names, relays the shim's
+error and leaves nothing. Every test runs with the real crictl too: CRICTL=/path/to/crictl.
+The client's own pieces (parsing, formats) are tested apart, in test_crictl_client.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
 import subprocess
-import sys
 import time
 import tomllib
 
@@ -20,15 +20,13 @@ import pytest
 from shim import paths
 from tests.conftest import require_root, require_tool
 
-from . import crictl as cli
 from .containerd import (CRI_NAMESPACE, PODVM_SNIPPET, REPO_ROOT, Containerd, cgroup_dirs,
                          mounts_under, podvm_runtime_section, shims_of)
 from .cri import Crictl, write_config
-from .criclient import grpc_target
 
 # Our podvm configuration for these tests: a QEMU that cannot exist, so the shim's answer
 # names a path only this file has (proof that ConfigPath travelled from containerd's
-# config to the shim) and no VM is ever started, whatever the VM backend can do by then.
+# config to the shim) and no VM is started: pods in VMs are test_podvm_pods.py's.
 BOGUS_QEMU = "/nonexistent/podvm-crictl-test/qemu-system-x86_64"
 
 
@@ -95,7 +93,7 @@ def run_container(crictl: Crictl, configs: pathlib.Path, pod_id: str, pod_file: 
     return cid
 
 
-def wait_for(what: str, check, timeout: float = 15):
+def wait_for(what: str, check, timeout: float = 60):
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -230,10 +228,10 @@ def test_exit_code_of_a_container(ctd, crictl, configs, pod) -> None:
 
 
 def test_stop_now_kills(ctd, crictl, configs, pod) -> None:
-    cid = run_container(crictl, configs, pod["id"], pod["file"], "sleeper", "sleep 1000")
-    started = time.monotonic()
+    """`stop -t 0` does not wait for a container that ignores SIGTERM: it is killed."""
+    cid = run_container(crictl, configs, pod["id"], pod["file"], "sleeper",
+                        "trap '' TERM; sleep 1000 & wait")
     assert crictl.run("stop", "-t", "0", cid).stdout.strip() == cid
-    assert time.monotonic() - started < 10
     status = crictl.inspect(cid)["status"]
     assert (status["state"], status["exitCode"]) == ("CONTAINER_EXITED", 137)
     crictl.run("rm", cid)
@@ -281,7 +279,7 @@ def test_podvm_pod_reaches_the_shim_and_leaves_nothing(ctd, crictl, configs) -> 
     assert len(sandboxes) >= 1, "the podvm shim never logged through containerd"
     assert crictl.pods("--name", "^vm$") == []
     wait_for("the podvm shim to exit",
-             lambda: not [s for s in shims_of(ctd.address) if "podvm" in s[1]], timeout=10)
+             lambda: not [s for s in shims_of(ctd.address) if "podvm" in s[1]], timeout=60)
     for sandbox in sandboxes:
         assert leftovers(ctd, [sandbox]) == []
         sock = paths.socket_path(paths.socket_address(ctd.address, CRI_NAMESPACE, sandbox))
@@ -348,85 +346,3 @@ def test_unreachable_endpoint_is_a_clear_error(configs) -> None:
     result = Crictl(f"unix://{configs}/nothing.sock", timeout="2s").run("version", check=False)
     assert result.returncode == 1
     assert "nothing.sock" in result.stderr
-
-
-# ---- pieces of the client, no containerd needed ---------------------------------------
-
-def test_read_config_takes_crictl_yaml(tmp_path) -> None:
-    path = tmp_path / "crictl.yaml"
-    path.write_text("---\n# comment\nruntime-endpoint: unix:///run/x.sock  # trailing\n"
-                    "image-endpoint: 'unix:///run/y.sock'\ntimeout: 10\ndebug: true\n")
-    assert cli.read_config(str(path)) == {"runtime-endpoint": "unix:///run/x.sock",
-                                          "image-endpoint": "unix:///run/y.sock",
-                                          "timeout": "10", "debug": "true"}
-
-
-def test_global_and_command_timeouts_apart() -> None:
-    args = cli.build_parser().parse_args(["-t", "30s", "stop", "-t", "0", "x"])
-    assert (args.global_timeout, args.timeout, args.ids) == ("30s", 0, ["x"])
-    args = cli.build_parser().parse_args(["exec", "-s", "x", "sh", "-c", "exit 3"])
-    assert (args.container, args.cmd, args.global_timeout) == ("x", ["sh", "-c", "exit 3"],
-                                                                 None)
-
-
-def test_durations() -> None:
-    assert cli.parse_duration("2s") == 2
-    assert cli.parse_duration("1m30s") == 90
-    assert cli.parse_duration("500ms") == 0.5
-    assert cli.parse_duration("10") == 10
-    with pytest.raises(cli.Fatal):
-        cli.parse_duration("2 s")
-
-
-def test_cri_log_format() -> None:
-    data = (b"2024-01-01T00:00:00.1Z stdout F one\n"
-            b"2024-01-01T00:00:00.2Z stderr F two\n"
-            b"2024-01-01T00:00:00.3Z stdout P thr\n"
-            b"2024-01-01T00:00:00.4Z stdout F ee\n"
-            b"2024-01-01T00:00:00.5Z stdout F \n"
-            b"2024-01-01T00:00:00.6Z stdout P tail")
-    assert cli._log_records(data) == [
-        ("2024-01-01T00:00:00.1Z", "stdout", b"one\n"),
-        ("2024-01-01T00:00:00.2Z", "stderr", b"two\n"),
-        ("2024-01-01T00:00:00.3Z", "stdout", b"three\n"),
-        ("2024-01-01T00:00:00.5Z", "stdout", b"\n"),
-        ("2024-01-01T00:00:00.6Z", "stdout", b"tail")]
-
-
-def test_tables_and_units() -> None:
-    assert cli.table(["A", "B"], [["x" * 25, "y"]]) == \
-        "A" + " " * 27 + "B\n" + "x" * 25 + "   y\n"
-    assert cli.human_duration(0.5) == "Less than a second"
-    assert cli.human_duration(75) == "About a minute"
-    assert cli.human_duration(3 * 3600) == "3 hours"
-    assert cli.human_size(2_131_000) == "2.131MB"
-    assert cli.truncate_id("sha256:" + "ab" * 32, "sha256:") == "ab" * 6 + "a"
-
-
-def test_endpoints() -> None:
-    assert grpc_target("unix:///run/containerd/containerd.sock") == \
-        "unix:///run/containerd/containerd.sock"
-    assert grpc_target("/run/x.sock") == "unix:///run/x.sock"
-    assert grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
-
-
-def test_cri_messages_need_no_grpc() -> None:
-    """shim/ never imports grpc: the generated CRI messages must not pull it in."""
-    code = "import sys, shim.pb.cri.api_pb2 as m; print('grpc' in sys.modules, " \
-           "[s.full_name for s in m.DESCRIPTOR.services_by_name.values()])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=REPO_ROOT, check=True).stdout
-    assert out.strip() == "False ['runtime.v1.RuntimeService', 'runtime.v1.ImageService']"
-
-
-def test_json_configs_in_either_spelling(tmp_path) -> None:
-    from shim.pb.cri import api_pb2
-
-    path = tmp_path / "pod.json"
-    path.write_text(json.dumps({"metadata": {"name": "p"}, "logDirectory": "/l",
-                                "linux": {"security_context": {"namespaceOptions":
-                                                               {"network": "NODE"}}},
-                                "unknown_field": 1}))
-    msg = cli.load_message(str(path), api_pb2.PodSandboxConfig())
-    assert msg.log_directory == "/l"
-    assert msg.linux.security_context.namespace_options.network == api_pb2.NODE

@@ -140,7 +140,7 @@ def test_dynamic_update_grows_the_running_vm(dynamic_ctd, tmp_path) -> None:
         crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "100000",
                    "--memory", str(256 * MIB), cid)
         grown = wait_for("the guest to see a second vCPU and more memory",
-                         lambda: (g := guest_size(crictl, cid))[0] == 2 and g, timeout=30)
+                         lambda: (g := guest_size(crictl, cid))[0] == 2 and g, timeout=90)
         assert grown[1] >= mem + 256
         report = status.collect(status.find(pod_id, CRI_NAMESPACE))
         assert (report["plan"]["vcpus"], report["plan"]["memory_mib"]) == (2, 512)

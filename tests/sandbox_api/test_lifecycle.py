@@ -185,12 +185,11 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id, timeout_secs=20),
                        sb.StopSandboxResponse)
         waited = await asyncio.wait_for(pod.client.call(
-            TASK, "Wait", api.WaitRequest(id="c1"), api.WaitResponse), 10)
+            TASK, "Wait", api.WaitRequest(id="c1"), api.WaitResponse), 60)
         assert waited.exit_status == 137
-        for _ in range(50):
-            if ("/tasks/exit", "containerd.events.TaskExit") in pod.events:
-                break
-            await asyncio.sleep(0.1)
+        async with asyncio.timeout(60):
+            while ("/tasks/exit", "containerd.events.TaskExit") not in pod.events:
+                await asyncio.sleep(0.1)
         assert ("/tasks/exit", "containerd.events.TaskExit") in pod.events
         sandbox_exit = await pod.call("WaitSandbox", sb.WaitSandboxRequest(sandbox_id=pod.id),
                                       sb.WaitSandboxResponse)
@@ -211,7 +210,7 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         # no answer as a failed shutdown
         await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
                        sb.ShutdownSandboxResponse)
-        await wait_gone(pod.daemon_pid, timeout=15)
+        await wait_gone(pod.daemon_pid, timeout=60)
         # nothing left, before any `delete`: socket, state, mounts, the sandbox cgroup
         assert not os.path.exists(pod.address.removeprefix("unix://"))
         assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
@@ -233,7 +232,7 @@ async def test_a_vm_that_dies_ends_the_sandbox_and_shutdown_cleans_up(tmp_path) 
         waiting = asyncio.ensure_future(pod.call("WaitSandbox", sb.WaitSandboxRequest(
             sandbox_id=pod.id), sb.WaitSandboxResponse))
         os.kill(started.pid, 9)
-        waited = await asyncio.wait_for(waiting, 15)
+        waited = await asyncio.wait_for(waiting, 60)
         assert waited.exit_status == 255 and waited.exited_at.seconds > 0
         assert (await pod.status()).state == "SANDBOX_NOTREADY"
         with pytest.raises(TtrpcError) as err:
@@ -247,5 +246,5 @@ async def test_a_vm_that_dies_ends_the_sandbox_and_shutdown_cleans_up(tmp_path) 
         # no answer as a failed shutdown
         await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
                        sb.ShutdownSandboxResponse)
-        await wait_gone(pod.daemon_pid, timeout=15)
+        await wait_gone(pod.daemon_pid, timeout=60)
         assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")

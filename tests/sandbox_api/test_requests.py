@@ -173,7 +173,7 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     assert not waiting.done()
     await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
                    sb.StopSandboxResponse)
-    waited = await asyncio.wait_for(waiting, 5)
+    waited = await asyncio.wait_for(waiting, 60)
     assert waited.exit_status == 0 and waited.exited_at.seconds > 0
     assert (await pod.status()).state == "SANDBOX_NOTREADY"
     err = await refused(pod, "StartSandbox", sb.StartSandboxRequest(sandbox_id=pod.id),
@@ -183,7 +183,7 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     # no answer as a failed shutdown
     await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
                    sb.ShutdownSandboxResponse)
-    await wait_gone(pod.daemon_pid, timeout=15)
+    await wait_gone(pod.daemon_pid, timeout=60)
     assert not os.path.exists(pod.address.removeprefix("unix://"))
     assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
     assert not cgroup_exists(pod.parent)

@@ -1,0 +1,94 @@
+"""Pieces of the crictl-compatible client that need no containerd: its configuration
+file, flags, durations, CRI log format, tables and endpoints (the commands themselves are
+exercised against a real containerd in test_crictl.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from . import crictl as cli
+from .containerd import REPO_ROOT
+from .criclient import grpc_target
+
+
+def test_read_config_takes_crictl_yaml(tmp_path) -> None:
+    path = tmp_path / "crictl.yaml"
+    path.write_text("---\n# comment\nruntime-endpoint: unix:///run/x.sock  # trailing\n"
+                    "image-endpoint: 'unix:///run/y.sock'\ntimeout: 10\ndebug: true\n")
+    assert cli.read_config(str(path)) == {"runtime-endpoint": "unix:///run/x.sock",
+                                          "image-endpoint": "unix:///run/y.sock",
+                                          "timeout": "10", "debug": "true"}
+
+
+def test_global_and_command_timeouts_apart() -> None:
+    args = cli.build_parser().parse_args(["-t", "30s", "stop", "-t", "0", "x"])
+    assert (args.global_timeout, args.timeout, args.ids) == ("30s", 0, ["x"])
+    args = cli.build_parser().parse_args(["exec", "-s", "x", "sh", "-c", "exit 3"])
+    assert (args.container, args.cmd, args.global_timeout) == ("x", ["sh", "-c", "exit 3"],
+                                                                 None)
+
+
+def test_durations() -> None:
+    assert cli.parse_duration("2s") == 2
+    assert cli.parse_duration("1m30s") == 90
+    assert cli.parse_duration("500ms") == 0.5
+    assert cli.parse_duration("10") == 10
+    with pytest.raises(cli.Fatal):
+        cli.parse_duration("2 s")
+
+
+def test_cri_log_format() -> None:
+    data = (b"2024-01-01T00:00:00.1Z stdout F one\n"
+            b"2024-01-01T00:00:00.2Z stderr F two\n"
+            b"2024-01-01T00:00:00.3Z stdout P thr\n"
+            b"2024-01-01T00:00:00.4Z stdout F ee\n"
+            b"2024-01-01T00:00:00.5Z stdout F \n"
+            b"2024-01-01T00:00:00.6Z stdout P tail")
+    assert cli._log_records(data) == [
+        ("2024-01-01T00:00:00.1Z", "stdout", b"one\n"),
+        ("2024-01-01T00:00:00.2Z", "stderr", b"two\n"),
+        ("2024-01-01T00:00:00.3Z", "stdout", b"three\n"),
+        ("2024-01-01T00:00:00.5Z", "stdout", b"\n"),
+        ("2024-01-01T00:00:00.6Z", "stdout", b"tail")]
+
+
+def test_tables_and_units() -> None:
+    assert cli.table(["A", "B"], [["x" * 25, "y"]]) == \
+        "A" + " " * 27 + "B\n" + "x" * 25 + "   y\n"
+    assert cli.human_duration(0.5) == "Less than a second"
+    assert cli.human_duration(75) == "About a minute"
+    assert cli.human_duration(3 * 3600) == "3 hours"
+    assert cli.human_size(2_131_000) == "2.131MB"
+    assert cli.truncate_id("sha256:" + "ab" * 32, "sha256:") == "ab" * 6 + "a"
+
+
+def test_endpoints() -> None:
+    assert grpc_target("unix:///run/containerd/containerd.sock") == \
+        "unix:///run/containerd/containerd.sock"
+    assert grpc_target("/run/x.sock") == "unix:///run/x.sock"
+    assert grpc_target("tcp://127.0.0.1:1234") == "127.0.0.1:1234"
+
+
+def test_cri_messages_need_no_grpc() -> None:
+    """shim/ never imports grpc: the generated CRI messages must not pull it in."""
+    code = "import sys, shim.pb.cri.api_pb2 as m; print('grpc' in sys.modules, " \
+           "[s.full_name for s in m.DESCRIPTOR.services_by_name.values()])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO_ROOT, check=True).stdout
+    assert out.strip() == "False ['runtime.v1.RuntimeService', 'runtime.v1.ImageService']"
+
+
+def test_json_configs_in_either_spelling(tmp_path) -> None:
+    from shim.pb.cri import api_pb2
+
+    path = tmp_path / "pod.json"
+    path.write_text(json.dumps({"metadata": {"name": "p"}, "logDirectory": "/l",
+                                "linux": {"security_context": {"namespaceOptions":
+                                                               {"network": "NODE"}}},
+                                "unknown_field": 1}))
+    msg = cli.load_message(str(path), api_pb2.PodSandboxConfig())
+    assert msg.log_directory == "/l"
+    assert msg.linux.security_context.namespace_options.network == api_pb2.NODE
