@@ -161,7 +161,9 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
     period = pod.cpu_period if pod.cpu_quota > 0 and pod.cpu_period > 0 else DEFAULT_PERIOD_US
     overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
     if pod.quota_cpus:
-        quota = math.ceil((pod.quota_cpus + overhead_cpu / 1000) * period)
+        # in whole µs: ceil((quota / period + n) * period) in floats is often a µs more
+        # than a pod cgroup holding exactly the workload and the declared overhead allows
+        quota = pod.cpu_quota + overhead_cpu * period // 1000
         why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = (workload "
                    f"{pod.quota_cpus:g} + {overhead_cpu}m for the guest) x period")
     else:

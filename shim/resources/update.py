@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Mapping
 
 from .model import MIB, ContainerResources, NoFit, PlanError, SandboxPlan
@@ -40,19 +41,24 @@ class StaticSizeExceeded(PlanError):
 def pod_totals(sandbox: ContainerResources,
                containers: Mapping[str, ContainerResources]) -> ContainerResources:
     """What the pod uses in all: see the module's docstring."""
-    cpus = max(sandbox.quota_cpus, sum(c.quota_cpus for c in containers.values()))
+    cpus = max(_exact_cpus(sandbox), sum(map(_exact_cpus, containers.values()), Fraction(0)))
     shares = max(sandbox.cpu_shares, sum(max(c.cpu_shares, 0) for c in containers.values()))
     memory = max(sandbox.memory_limit,
                  sum(max(c.memory_limit, 0) for c in containers.values()))
     if cpus > 0:
-        period = sandbox.cpu_period if sandbox.quota_cpus == cpus and sandbox.cpu_period > 0 \
-            else DEFAULT_PERIOD_US
+        period = sandbox.cpu_period if _exact_cpus(sandbox) == cpus else DEFAULT_PERIOD_US
         quota = math.ceil(cpus * period)
     else:
         quota, period = sandbox.cpu_quota, sandbox.cpu_period
     return ContainerResources(cpu_quota=quota, cpu_period=period, cpu_shares=shares,
                               memory_limit=memory,
                               cpuset=cpuset_union(c.cpuset for c in containers.values()))
+
+
+def _exact_cpus(c: ContainerResources) -> Fraction:
+    """quota/period as a fraction: summed as floats, 100m + 200m come to 0.30000000000000004
+    CPUs, a µs more quota than the pod cgroup (exactly the limits plus the overhead) allows."""
+    return Fraction(c.cpu_quota, c.cpu_period) if c.quota_cpus else Fraction(0)
 
 
 def cpuset_union(cpusets) -> str:

@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import math
+import sys
+from dataclasses import replace
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from shim.resources import ContainerResources, Host, PlanError, SandboxRequest, plan_sandbox
+from shim.resources import (ContainerResources, Host, NoFit, PlanError, SandboxPlan,
+                            SandboxRequest, plan_sandbox)
 from shim.resources.annotations import apply_kata_overrides, pod_resources
+
+from .oracle import assert_admission_expected, assert_refusal_expected, expected_plan
+from .picks import Pick, assert_fails, either, sample, strategy
 
 MIB = 1 << 20
 HOST = Host(cpus=16, memory_mib=64 * 1024)
@@ -75,29 +81,136 @@ def test_annotations() -> None:
                              ("kernel",), "x")
 
 
-shapes = st.builds(
-    ContainerResources,
-    cpu_quota=st.one_of(st.just(0), st.just(-1), st.integers(1_000, 800_000)),
-    cpu_period=st.one_of(st.just(0), st.integers(1_000, 1_000_000)),
-    cpu_shares=st.one_of(st.just(0), st.just(2), st.integers(2, 8 * 1024)),
-    memory_limit=st.one_of(st.just(0), st.integers(1, 8 * 1024) .map(lambda m: m * MIB)))
+def test_qemu_s_overhead_must_fit_the_host_too() -> None:
+    """A VM within the host's memory can still not fit once QEMU's own memory is added."""
+    small = Host(cpus=4, memory_mib=1024)
+    req = request(ContainerResources(memory_limit=700 * MIB), memory_overhead_mib=200)
+    with pytest.raises(NoFit, match="956 MiB \\+ 200 MiB QEMU overhead but the host has "
+                                    "1024 MiB"):
+        plan_sandbox(req, small)
+    assert plan_sandbox(replace(req, memory_overhead_mib=68), small).memory_mib == 956
 
 
-@settings(deadline=None)
-@given(pod=shapes, default_vcpus=st.integers(1, 4), default_mem=st.integers(64, 2048),
-       sizing=st.sampled_from(["sum", "max"]), overhead=st.integers(0, 300))
-def test_properties(pod, default_vcpus, default_mem, sizing, overhead) -> None:
-    req = request(pod, default_vcpus=default_vcpus, default_memory_mib=default_mem,
-                  sizing=sizing, memory_overhead_mib=overhead)
-    try:
-        plan = plan_sandbox(req, HOST)
-    except PlanError:
-        return
+# The generated space: a pod's totals as Kubernetes and containerd may pass them (CFS
+# quota disabled as -1 or 0/0, BestEffort's 2 shares), and the configuration around them.
+MAX_DEFAULT_VCPUS = 4
+
+
+def pod_shape(pick: Pick, fitting: bool) -> ContainerResources:
+    """`fitting`: a CPU limit the host holds beside the largest default vCPUs (memory
+    always fits: 8 GiB + defaults on a 64 GiB host), so that the plan must be admitted."""
+    period = either(pick, (0,), 1_000, 1_000_000)
+    quota_max = 800_000  # up to 800 CPUs at the shortest period: many do not fit
+    if fitting and period:
+        quota_max = min(quota_max, (HOST.cpus - MAX_DEFAULT_VCPUS) * period)
+    return ContainerResources(cpu_quota=either(pick, (0, -1), 1_000, quota_max),
+                              cpu_period=period,
+                              cpu_shares=either(pick, (0, 2), 2, 8 * 1024),
+                              memory_limit=either(pick, (0,), 1, 8 * 1024) * MIB)
+
+
+def sandbox_request(pick: Pick, fitting: bool = False) -> SandboxRequest:
+    """Not `fitting`: maxima below the host's too, so every refusal reason but the pod
+    cgroup's can come up (those have their own test)."""
+    return request(pod_shape(pick, fitting),
+                   default_vcpus=pick.integer(1, MAX_DEFAULT_VCPUS),
+                   default_memory_mib=pick.integer(64, 2048),
+                   sizing=pick.choice(["sum", "max"]),
+                   memory_overhead_mib=pick.integer(0, 300),
+                   max_vcpus=0 if fitting else pick.choice([0, 0, 8]),
+                   max_memory_mib=0 if fitting else pick.choice([0, 0, 8192]))
+
+
+fitting_requests = strategy(partial(sandbox_request, fitting=True))
+any_requests = strategy(sandbox_request)
+PROPERTIES = settings(max_examples=200, deadline=None, derandomize=True)
+
+
+@PROPERTIES
+@given(req=fitting_requests)
+def test_pods_that_fit_are_planned_by_the_rules(req: SandboxRequest) -> None:
+    """Every input here fits: a refusal fails the test, and the plan is the rules' size."""
+    expected = expected_plan(req, HOST)
+    assert not expected.refused, expected.reasons  # the strategy's promise
+    plan = plan_sandbox(req, HOST)
+    pod = req.pod
+    assert (plan.vcpus, plan.memory_mib) == (expected.vcpus, expected.memory_mib)
+    assert (plan.cgroup_cpu_quota, plan.cgroup_cpu_period) == \
+        (expected.cgroup_cpu_quota, expected.cgroup_cpu_period)
     assert plan.vcpus <= plan.max_vcpus and plan.memory_mib <= plan.max_memory_mib
-    assert plan.vcpus >= math.ceil(pod.quota_cpus)
-    assert plan.vcpus >= default_vcpus
-    assert plan.memory_mib >= max(default_mem, math.ceil(pod.memory_limit / MIB))
+    assert plan.vcpus >= math.ceil(pod.quota_cpus) and plan.vcpus >= req.default_vcpus
+    assert plan.memory_mib >= max(req.default_memory_mib, math.ceil(pod.memory_limit / MIB))
     if plan.cgroup_memory_limit != -1:
-        assert plan.cgroup_memory_limit >= (plan.memory_mib + overhead) * MIB
+        assert plan.cgroup_memory_limit >= (plan.memory_mib + req.memory_overhead_mib) * MIB
+    else:
+        assert pod.memory_limit == 0
     if plan.cgroup_cpu_quota != -1:
         assert plan.cgroup_cpu_quota / plan.cgroup_cpu_period >= pod.quota_cpus
+
+
+@PROPERTIES
+@given(req=any_requests)
+def test_plans_are_refused_exactly_when_the_rules_say_so(req: SandboxRequest) -> None:
+    """Both ways: a refusal the rules do not call for fails, and so does a plan they
+    refuse; a refusal names the resource and its numbers."""
+    expected = expected_plan(req, HOST)
+    try:
+        plan = plan_sandbox(req, HOST)
+    except NoFit as exc:
+        assert_refusal_expected(str(exc), expected.reasons)
+        return
+    assert_admission_expected(expected.reasons)
+    assert (plan.vcpus, plan.memory_mib) == (expected.vcpus, expected.memory_mib)
+
+
+@PROPERTIES
+@given(req=fitting_requests)
+def test_a_pod_cgroup_with_the_reported_overhead_admits_the_plan(req: SandboxRequest) -> None:
+    """kubelet sizes the pod cgroup as the containers' limits plus the RuntimeClass
+    overhead: with the overhead the plan reports it is admitted unchanged; a MiB or a
+    microsecond less is refused, saying which overhead to declare."""
+    plan = plan_sandbox(req, HOST)
+    memory = plan.workload_memory_mib + plan.overhead_memory_mib
+    fenced = plan_sandbox(replace(req, pod_cgroup_memory_mib=memory), HOST)
+    assert fenced == replace(plan, pod_cgroup_memory_mib=memory)
+    with pytest.raises(NoFit, match=f"allows {memory - 1} MiB.*overhead.podFixed.memory >= "
+                                    f"{plan.overhead_memory_mib}Mi"):
+        plan_sandbox(replace(req, pod_cgroup_memory_mib=memory - 1), HOST)
+    if plan.cgroup_cpu_quota == -1:  # no CPU limit: kubelet sets no pod quota either
+        return
+    period = req.pod.cpu_period
+    quota = req.pod.cpu_quota + plan.overhead_cpu_millis * period // 1000
+    assert plan_sandbox(replace(req, pod_cgroup_cpus=quota / period), HOST) == plan
+    with pytest.raises(NoFit, match=f"overhead.podFixed.cpu >= {plan.overhead_cpu_millis}m"):
+        plan_sandbox(replace(req, pod_cgroup_cpus=(quota - 1) / period), HOST)
+
+
+def test_most_generated_pods_are_planned() -> None:
+    """The guard against passing vacuously: over a fixed sample of the properties' space
+    the model plans most pods, refuses exactly those the rules refuse, and plans every
+    pod of the fitting space. A model that refused everything fails here."""
+    refused = 0
+    for req in sample(sandbox_request):
+        expected = expected_plan(req, HOST)
+        try:
+            plan_sandbox(req, HOST)
+        except NoFit:
+            assert expected.refused, req
+            refused += 1
+        else:
+            assert not expected.refused, req
+    assert 0 < refused < len(sample(sandbox_request)) // 2, refused
+    for req in sample(partial(sandbox_request, fitting=True)):
+        plan_sandbox(req, HOST)
+
+
+def test_the_properties_fail_for_a_model_that_refuses_everything(monkeypatch) -> None:
+    """The properties above assert plans, not just the absence of errors."""
+    def refuse(req: SandboxRequest, host: Host) -> SandboxPlan:
+        raise NoFit("the pod needs 1 vCPUs but at most 0 are allowed (host CPUs)")
+
+    monkeypatch.setattr(sys.modules[__name__], "plan_sandbox", refuse)
+    for prop in (test_pods_that_fit_are_planned_by_the_rules,
+                 test_plans_are_refused_exactly_when_the_rules_say_so,
+                 test_a_pod_cgroup_with_the_reported_overhead_admits_the_plan):
+        assert_fails(prop, NoFit, AssertionError)

@@ -6,29 +6,32 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import replace
+import sys
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgroups.limits import parse_cpu_list
-from shim.resources import (ContainerResources, Host, NoFit, PlanError, SandboxPlan,
-                            SandboxRequest, StaticSizeExceeded, plan_sandbox, plan_update,
-                            pod_totals)
+from shim.resources import (ContainerResources, Host, NoFit, SandboxPlan, SandboxRequest,
+                            StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)
+
+from .oracle import (assert_admission_expected, assert_refusal_expected, expected_plan,
+                     expected_update)
+from .picks import Pick, assert_fails, sample, strategy
 
 MIB = 1 << 20
 HOST = Host(cpus=16, memory_mib=64 * 1024)
 PERIOD = 100_000
+KINDS = ["limits", "requests+limits", "requests", "none", "quota-disabled"]
 
 
-@st.composite
-def container(draw) -> ContainerResources:
-    kind = draw(st.sampled_from(["limits", "requests+limits", "requests", "none",
-                                 "quota-disabled"]))
-    limit = draw(st.integers(1, 40)) / 10  # CPUs
-    request = min(limit, draw(st.integers(1, 40)) / 10)
-    memory = draw(st.integers(1, 1024)) * MIB
-    cpuset = draw(st.sampled_from(["", "0", "1-2", "3", "0-3", "8-11,14"]))
+def container(pick: Pick) -> ContainerResources:
+    kind = pick.choice(KINDS)
+    limit = pick.integer(1, 40) / 10  # CPUs
+    request = min(limit, pick.integer(1, 40) / 10)
+    memory = pick.integer(1, 1024) * MIB
+    cpuset = pick.choice(["", "0", "1-2", "3", "0-3", "8-11,14"])
     if kind == "limits":  # request defaults to the limit
         return ContainerResources(int(limit * PERIOD), PERIOD, int(limit * 1024), memory,
                                   cpuset)
@@ -40,8 +43,13 @@ def container(draw) -> ContainerResources:
     if kind == "none":
         return ContainerResources(0, 0, 2, 0, "")
     # the static CPU manager, or kubelet's --cpu-cfs-quota=false
-    quota, period = draw(st.sampled_from([(-1, PERIOD), (0, 0)]))
+    quota, period = pick.choice([(-1, PERIOD), (0, 0)])
     return ContainerResources(quota, period, int(limit * 1024), memory, cpuset)
+
+
+def pod(pick: Pick) -> dict[str, ContainerResources]:
+    """Up to four containers."""
+    return {name: container(pick) for name in "abcd"[:pick.integer(0, 4)]}
 
 
 def annotations_of(containers: dict[str, ContainerResources]) -> ContainerResources:
@@ -53,18 +61,23 @@ def annotations_of(containers: dict[str, ContainerResources]) -> ContainerResour
                               memory_limit=sum(c.memory_limit for c in containers.values()))
 
 
-pods = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), container(), max_size=4)
-settings_ = dict(max_examples=300, deadline=None)
+pods = strategy(pod)
+settings_ = dict(max_examples=300, deadline=None, derandomize=True)
 
 
 def request(pod: ContainerResources, kw: dict) -> SandboxRequest:
     return SandboxRequest(pod=pod, **kw)
 
 
-configs = st.fixed_dictionaries({
-    "default_vcpus": st.integers(1, 3), "default_memory_mib": st.sampled_from([128, 256, 2048]),
-    "max_vcpus": st.sampled_from([0, 8, 12]), "max_memory_mib": st.sampled_from([0, 4096, 8192]),
-    "sizing": st.sampled_from(["sum", "max"]), "memory_overhead_mib": st.sampled_from([0, 256])})
+def config(pick: Pick) -> dict:
+    """Maxima below what four containers may ask for: some pods do not fit."""
+    return {"default_vcpus": pick.integer(1, 3),
+            "default_memory_mib": pick.choice([128, 256, 2048]),
+            "max_vcpus": pick.choice([0, 8, 12]), "max_memory_mib": pick.choice([0, 4096, 8192]),
+            "sizing": pick.choice(["sum", "max"]), "memory_overhead_mib": pick.choice([0, 256])}
+
+
+configs = strategy(config)
 
 
 def check_plan(plan: SandboxPlan, pod: ContainerResources, kw: dict) -> None:
@@ -81,17 +94,29 @@ def check_plan(plan: SandboxPlan, pod: ContainerResources, kw: dict) -> None:
     assert plan.cgroup_cpu_shares >= 2
 
 
+def boot_totals(containers: dict[str, ContainerResources],
+                annotated: bool) -> ContainerResources:
+    """The pod's totals at its sandbox's creation: from CRI's annotations, or (ctr, a
+    runtime without them) from the containers alone."""
+    sandbox = annotations_of(containers) if annotated else ContainerResources()
+    return pod_totals(sandbox, containers)
+
+
 @settings(**settings_)
 @given(containers=pods, kw=configs, annotated=st.booleans())
 def test_boot_plan(containers, kw, annotated) -> None:
-    sandbox = annotations_of(containers) if annotated else ContainerResources()
-    pod = pod_totals(sandbox, containers)
+    """Admitted or refused as the rules say (both ways, the refusal naming the reason);
+    an admitted plan keeps every promise and explains every number."""
+    pod = boot_totals(containers, annotated)
+    expected = expected_plan(request(pod, kw), HOST)
     try:
         plan = plan_sandbox(request(pod, kw), HOST)
     except NoFit as exc:
-        assert re.search(r"\d", str(exc))  # the numbers are in the message
-        return
+        assert_refusal_expected(str(exc), expected.reasons)
+        return  # refusals are a minority here: test_most_boots_and_steps_are_planned
+    assert_admission_expected(expected.reasons)
     check_plan(plan, pod, kw)
+    assert (plan.vcpus, plan.memory_mib) == (expected.vcpus, expected.memory_mib)
     union = set().union(*(parse_cpu_list(c.cpuset) for c in containers.values() if c.cpuset))
     assert (parse_cpu_list(plan.cpuset) if plan.cpuset else set()) == union
     if kw["sizing"] == "sum":
@@ -102,11 +127,18 @@ def test_boot_plan(containers, kw, annotated) -> None:
         if plan.cgroup_memory_limit != -1:
             assert (plan.workload_memory_mib + plan.overhead_memory_mib) * MIB == \
                 plan.cgroup_memory_limit
-    # A pod cgroup sized with the reported overhead admits the same plan.
+    # A pod cgroup sized with the reported overhead admits the same plan; a MiB less not.
     if pod.memory_limit:
-        fenced = plan_sandbox(request(pod, dict(kw, pod_cgroup_memory_mib=(
-            plan.workload_memory_mib + plan.overhead_memory_mib))), HOST)
-        assert fenced == replace(plan, pod_cgroup_memory_mib=fenced.pod_cgroup_memory_mib)
+        allowed = plan.workload_memory_mib + plan.overhead_memory_mib
+        fenced = plan_sandbox(request(pod, dict(kw, pod_cgroup_memory_mib=allowed)), HOST)
+        assert fenced == replace(plan, pod_cgroup_memory_mib=allowed)
+        short = request(pod, dict(kw, pod_cgroup_memory_mib=allowed - 1))
+        try:
+            plan_sandbox(short, HOST)
+        except NoFit as exc:
+            assert f"overhead.podFixed.memory >= {plan.overhead_memory_mib}Mi" in str(exc)
+        else:
+            raise AssertionError(f"a pod cgroup of {allowed - 1} MiB admitted {plan}")
     # Every number of the plan is explained.
     text = " ".join(plan.explanation)
     for number in (plan.vcpus, plan.memory_mib, plan.max_vcpus, plan.max_memory_mib,
@@ -118,26 +150,50 @@ def test_boot_plan(containers, kw, annotated) -> None:
         assert f"sandbox cgroup memory {plan.cgroup_memory_limit // MIB} MiB" in text
 
 
-@settings(**settings_)
-@given(first=pods, steps=st.lists(pods, min_size=1, max_size=4), kw=configs,
-       static=st.booleans())
-def test_a_pod_s_life(first, steps, kw, static) -> None:
+@dataclass
+class Life:
+    """What a pod's life came to: how many boots and steps were planned and refused."""
+
+    booted: bool = False
+    applied: int = 0
+    refused: int = 0
+
+
+def live(first: dict[str, ContainerResources], steps: list[dict[str, ContainerResources]],
+         kw: dict, static: bool) -> Life:
     """Boot from the annotations of the first containers, then the pod's containers
-    change; a refused step leaves the plan in force."""
+    change. Each boot and step is admitted or refused exactly as the rules say; a refused
+    step leaves the plan in force; every plan in force keeps the promises."""
+    life = Life()
     sandbox = annotations_of(first)
+    req = request(pod_totals(sandbox, {}), kw)
+    expected = expected_plan(req, HOST)
     try:
-        boot = plan_sandbox(request(pod_totals(sandbox, {}), kw), HOST)
-    except PlanError:
-        return
+        boot = plan_sandbox(req, HOST)
+    except NoFit as exc:
+        assert_refusal_expected(str(exc), expected.reasons)
+        return life  # no pod: nothing more happens in its life
+    assert_admission_expected(expected.reasons)
+    life.booted = True
     current = boot
     for containers in (first, *steps):
         pod = pod_totals(sandbox, containers)
+        req = request(pod, kw)
+        expected = expected_plan(req, HOST)
         try:
-            wanted = plan_sandbox(request(pod, kw), HOST)
+            wanted = plan_sandbox(req, HOST)
+        except NoFit as exc:
+            assert_refusal_expected(str(exc), expected.reasons)
+            life.refused += 1
+            continue  # refused: the plan in force stays
+        assert_admission_expected(expected.reasons)
+        reasons = expected_update(current, boot, expected, static, kw["memory_overhead_mib"])
+        try:
             delta = plan_update(current, boot, wanted, static)
         except StaticSizeExceeded as exc:
-            assert static and exc.fitting is not None and re.search(r"\d+ MiB|\d+ vCPUs",
-                                                                    str(exc))
+            assert static
+            assert_refusal_expected(str(exc), reasons)
+            assert exc.fitting is not None
             fit = exc.fitting.plan
             assert (fit.vcpus, fit.memory_mib) == (boot.vcpus, boot.memory_mib)
             assert not exc.fitting.grows and exc.fitting.remove_vcpus == 0
@@ -147,9 +203,15 @@ def test_a_pod_s_life(first, steps, kw, static) -> None:
                 assert fit.cgroup_memory_limit == \
                     (boot.memory_mib + kw["memory_overhead_mib"]) * MIB
             assert fit.cpuset == pod.cpuset
+            life.refused += 1
             continue
-        except NoFit:
+        except NoFit as exc:
+            assert not static
+            assert_refusal_expected(str(exc), reasons)
+            life.refused += 1
             continue  # refused: the plan in force stays
+        assert_admission_expected(reasons)
+        life.applied += 1
         plan = delta.plan
         check_plan(plan, pod, kw)
         assert plan.cpuset == pod.cpuset
@@ -157,8 +219,9 @@ def test_a_pod_s_life(first, steps, kw, static) -> None:
             assert (plan.vcpus, plan.memory_mib) == (boot.vcpus, boot.memory_mib)
             assert delta.add_vcpus == delta.remove_vcpus == delta.add_memory_mib == 0
         else:
-            assert plan.vcpus >= boot.vcpus
+            assert plan.vcpus == max(boot.vcpus, expected.vcpus)
             assert plan.memory_mib >= current.memory_mib  # never taken back
+            assert plan.memory_mib >= expected.memory_mib
             assert (plan.memory_mib - boot.memory_mib) % 128 == 0
             assert delta.remove_vcpus <= current.vcpus - boot.vcpus  # only hot-added ones
             if delta.add_memory_mib == 0 and plan.memory_mib > wanted.memory_mib:
@@ -167,3 +230,52 @@ def test_a_pod_s_life(first, steps, kw, static) -> None:
         assert delta.add_vcpus - delta.remove_vcpus == plan.vcpus - current.vcpus
         assert delta.add_memory_mib == plan.memory_mib - current.memory_mib
         current = plan
+    return life
+
+
+@settings(**settings_)
+@given(first=pods, steps=st.lists(pods, min_size=1, max_size=4), kw=configs,
+       static=st.booleans())
+def test_a_pod_s_life(first, steps, kw, static) -> None:
+    """See `live`; how often boots and steps are refused: the test below."""
+    live(first, steps, kw, static)
+
+
+def life_inputs(pick: Pick) -> tuple:
+    """The space test_a_pod_s_life draws from."""
+    return (pod(pick), [pod(pick) for _ in range(pick.integer(1, 4))], config(pick),
+            pick.choice([False, True]))
+
+
+def test_most_boots_and_steps_are_planned() -> None:
+    """The guard against passing vacuously: over a fixed sample of the spaces above, the
+    model plans most boots and most steps of a pod's life (each checked against the rules
+    as in the properties), and refuses some. A model that refused everything fails here."""
+    boots = sample(lambda pick: (pod(pick), config(pick), pick.choice([False, True])))
+    refused = 0
+    for containers, kw, annotated in boots:
+        req = request(boot_totals(containers, annotated), kw)
+        expected = expected_plan(req, HOST)
+        try:
+            plan_sandbox(req, HOST)
+        except NoFit:
+            assert expected.refused
+            refused += 1
+        else:
+            assert not expected.refused
+    assert 0 < refused < len(boots) // 2, refused
+    lives = [live(*inputs) for inputs in sample(life_inputs)]
+    booted = sum(life.booted for life in lives)
+    applied, refused = sum(life.applied for life in lives), sum(life.refused for life in lives)
+    assert booted > len(lives) // 2, booted
+    assert 0 < refused < applied, (applied, refused)
+
+
+def test_the_properties_fail_for_a_model_that_refuses_everything(monkeypatch) -> None:
+    """The properties above assert plans, not just the absence of errors."""
+    def refuse(req: SandboxRequest, host: Host) -> SandboxPlan:
+        raise NoFit("the pod needs 1 vCPUs but at most 0 are allowed (host CPUs)")
+
+    monkeypatch.setattr(sys.modules[__name__], "plan_sandbox", refuse)
+    for prop in (test_boot_plan, test_a_pod_s_life):
+        assert_fails(prop, AssertionError)
