@@ -4,6 +4,7 @@ asked, containers confined in the guest to the vCPUs of their own CPUs, and excl
 CPUs from the node-wide allocator. Real containerd, real QEMU (TCG), real cgroups."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -11,7 +12,9 @@ import signal
 import pytest
 
 from shim import paths, status
-from shim.cpus.allocator import Allocator
+from shim.cpus.allocator import Allocator, start_time
+from shim.cpus.cpuset import format_cpu_list
+from tests.conftest import require
 
 from .containerd import CRI_NAMESPACE, Containerd
 from .cri import Crictl, write_config
@@ -20,10 +23,17 @@ from .test_pod_resources import remove_pod, start_containerd
 
 ONLINE = sorted(Allocator().pool)
 
+# The exclusive test boots one VM per CPU it can reserve, plus one: on a big node the
+# lowest CPUs are reserved for the system (reserved_cpus) so that at most MAX_EXCLUSIVE
+# are given out, as on a node with kubelet's --reserved-cpus.
+MAX_EXCLUSIVE = 3
+RESERVED = format_cpu_list(ONLINE[:-MAX_EXCLUSIVE]) if len(ONLINE) > MAX_EXCLUSIVE else ""
+
 
 def need_two_cpus() -> None:
-    if len(ONLINE) < 2:
-        pytest.fail(f"these tests need 2 host CPUs, this machine has {ONLINE}")
+    """Two distinct host CPUs: a pod's vCPUs on one of them, or one on each."""
+    require(len(ONLINE) >= 2, f"2 online host CPUs (this machine has "
+                              f"{format_cpu_list(ONLINE)})")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,8 @@ def pinning_ctd(tmp_path_factory, image_cache):
 @pytest.fixture(scope="module")
 def exclusive_ctd(tmp_path_factory, image_cache):
     c = start_containerd(tmp_path_factory.mktemp("podvm-exclusive"), image_cache,
-                         {"cpu_reservation": "exclusive"}, default_maxvcpus=2)
+                         {"cpu_reservation": "exclusive", "reserved_cpus": RESERVED},
+                         default_maxvcpus=2)
     try:
         yield c
     finally:
@@ -81,7 +92,7 @@ def test_cpuset_of_a_container_bounds_every_vcpu_thread(pinning_ctd, tmp_path) -
         assert vcpu_affinities(pod_id) == [{ONLINE[1]}]
         report = status.collect(status.find(pod_id, CRI_NAMESPACE))
         assert report["cgroup"]["limits"]["cpuset_cpus"] == str(ONLINE[1])
-        wide = f"{ONLINE[0]}-{ONLINE[1]}"
+        wide = f"{ONLINE[0]},{ONLINE[1]}"
         crictl.run("update", "--cpuset-cpus", wide, cid)
         assert vcpu_affinities(pod_id) == [set(ONLINE[:2])]
         crictl.run("update", "--cpuset-cpus", str(ONLINE[1]), cid)
@@ -124,30 +135,46 @@ def pod_cpuset(pod_id: str) -> str:
     return status.collect(status.find(pod_id, CRI_NAMESPACE))["cgroup"]["limits"]["cpuset_cpus"]
 
 
+def shim_pid(pod_id: str) -> int:
+    state = pathlib.Path(paths.state_dir(CRI_NAMESPACE, pod_id), "shim.json")
+    return json.loads(state.read_text())["pid"]
+
+
 def test_exclusive_cpus_are_disjoint_refused_when_gone_and_freed_by_a_dead_shim(
         exclusive_ctd, tmp_path) -> None:
-    need_two_cpus()
-    if len(ONLINE) != 2:
-        pytest.skip(f"written for a 2-CPU node (this one has {len(ONLINE)})")
+    """As many exclusive 1-CPU pods as the node's pool (less RESERVED) has CPUs free: each
+    gets a CPU of its own, one more is refused with the counts, and the CPU of a pod whose
+    shim was killed goes to the next pod. On a 1-CPU node: one pod, and its CPU back."""
+    allocator = Allocator(reserved=RESERVED)  # the shim's view: online CPUs less RESERVED
+    pool = allocator.pool
+    assert len(pool) == min(len(ONLINE), MAX_EXCLUSIVE)
+    held = {c for cpus in allocator.reservations().values() for c in cpus}  # by others
+    free = sorted(pool - held)
+    assert free, f"every CPU of the pool {format_cpu_list(pool)} is held by another pod"
     crictl = Crictl(exclusive_ctd.cri_endpoint, timeout="120s")
     pods = []
     try:
-        for name in ("x1", "x2"):
-            ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, name)
+        for i in range(len(free)):
+            ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, f"x{i}")
             assert ran.returncode == 0, ran.stderr
             pods.append(ran.stdout.strip())
-        cpusets = {pod_cpuset(p) for p in pods}
-        assert cpusets == {str(ONLINE[0]), str(ONLINE[1])}  # one each, disjoint
-        for p in pods:
-            assert vcpu_affinities(p) == [{int(pod_cpuset(p))}] * 2
-        refused = exclusive_pod(exclusive_ctd, tmp_path, crictl, "x3")
+        cpusets = [pod_cpuset(p) for p in pods]
+        assert sorted(int(c) for c in cpusets) == free  # one each, pairwise disjoint
+        for p, cpu in zip(pods, cpusets):
+            # 2 vCPUs (1 default + the 1 CPU requested), both on the pod's own CPU
+            assert vcpu_affinities(p) == [{int(cpu)}] * 2
+        refused = exclusive_pod(exclusive_ctd, tmp_path, crictl, "refused")
         assert refused.returncode != 0
-        assert "asks for 1 exclusive CPU(s) but only 0 of the node's 2" in refused.stderr
-        freed = pod_cpuset(pods[0])
-        shim_pid = int(pathlib.Path(paths.state_dir(CRI_NAMESPACE, pods[0]),
-                                    "shim.json").read_text().split('"pid": ')[1].split(",")[0])
-        os.kill(shim_pid, signal.SIGKILL)
-        ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, "x4")
+        assert (f"asks for 1 exclusive CPU(s) but only 0 of the node's {len(pool)} "
+                f"({format_cpu_list(pool)}) are free" in refused.stderr), refused.stderr
+        assert all(p[:12] in refused.stderr for p in pods), refused.stderr
+        if RESERVED:
+            assert f"{RESERVED} reserved for the system" in refused.stderr, refused.stderr
+        freed = cpusets[0]
+        shim = shim_pid(pods[0])
+        os.kill(shim, signal.SIGKILL)
+        wait_for(f"shim {shim} to die", lambda: start_time(shim) is None, timeout=60)
+        ran = exclusive_pod(exclusive_ctd, tmp_path, crictl, "after")
         assert ran.returncode == 0, ran.stderr
         pods.append(ran.stdout.strip())
         assert pod_cpuset(pods[-1]) == freed
