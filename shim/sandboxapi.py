@@ -116,7 +116,8 @@ class SandboxService:
         annotations.update(req.annotations)
         overhead_bytes = max(0, overhead.memory_limit_in_bytes) if overhead is not None else 0
         # kubelet's pod cgroup: the containers' limits plus the RuntimeClass overhead
-        pod_memory_mib = (base.memory_limit + overhead_bytes) // MIB if base.memory_limit else 0
+        pod_memory_mib = -(-(base.memory_limit + overhead_bytes) // MIB) \
+            if base.memory_limit else 0  # rounded up, as pod_cgroup_limits does
         cgroup_parent = linux.cgroup_parent if linux is not None else ""
         planner = _planned(lambda: PodPlanner(cfg, annotations, base, host(), pod_memory_mib))
         plan = _planned(planner.plan)  # refused here, before anything boots
