@@ -35,6 +35,12 @@ async def runc(container_id: str, *args: str, stdin: int | None = None,
     return out
 
 
+def not_running(message: str) -> bool:
+    """runc's words for a container whose init has exited: a signal came too late."""
+    return any(words in message for words in ("container not running",
+                                              "no such process", "process already finished"))
+
+
 def _last_error(log: str) -> str:
     try:
         with open(log) as f:

@@ -99,17 +99,32 @@ class AgentService:
         return pb.ExecProcessResponse(pid=proc.pid)
 
     async def SignalProcess(self, req: pb.SignalProcessRequest, ctx: Context) -> Empty:
+        """A process that has already exited, or exits while the signal is on its way,
+        answers NOT_FOUND "process already finished", as containerd's runc shim does
+        (the CRI reads it as stopped). `all` reaches every process of the container,
+        also after its init has exited: workers may outlive it."""
         container = self._container(req.container_id)
         proc = container.process(req.exec_id)
-        if proc.exited.is_set():
-            raise TtrpcError(Code.NOT_FOUND, f"process {proc.pid} already exited")
-        if req.exec_id:
-            os.kill(proc.pid, req.signal)
-        elif container.holder:
-            holder.signal(proc, req.signal)
-        else:
-            args = ["kill", *(["--all"] if req.all else []), req.container_id, str(req.signal)]
-            await runc.runc(req.container_id, *args)
+        finished = TtrpcError(Code.NOT_FOUND, f"process {proc.pid} of {req.container_id}: "
+                                              f"process already finished")
+        if proc.exited.is_set() and not (req.all and not req.exec_id and
+                                         not container.holder):
+            raise finished
+        try:
+            if req.exec_id:
+                os.kill(proc.pid, req.signal)
+            elif container.holder:
+                holder.signal(proc, req.signal)
+            else:
+                args = ["kill", *(["--all"] if req.all else []), req.container_id,
+                        str(req.signal)]
+                await runc.runc(req.container_id, *args)
+        except ProcessLookupError:
+            raise finished from None
+        except TtrpcError as exc:
+            if exc.code == Code.NOT_FOUND or runc.not_running(exc.message):
+                raise finished from None
+            raise
         return Empty()
 
     async def WaitProcess(self, req: pb.WaitProcessRequest,

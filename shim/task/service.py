@@ -486,8 +486,20 @@ class TaskService:
     # --- processes -----------------------------------------------------------------
 
     async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:
-        self._process(req.id, req.exec_id).check("kill")
-        await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
+        """As containerd's runc shim: a signal to a process that has exited answers
+        NOT_FOUND "process already finished" (the guest says so when the exit is still
+        on its way here); `all` to a stopped container still reaches the processes that
+        outlived its init."""
+        proc = self._process(req.id, req.exec_id)
+        if not (req.all and not req.exec_id and proc.state is State.STOPPED):
+            proc.check("kill")
+            await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
+            return Empty()
+        try:
+            await self._agent().signal(req.id, "", req.signal, True)
+        except TtrpcError as exc:
+            raise TtrpcError(Code.NOT_FOUND, f"{proc.name}: process already finished "
+                                             f"({exc.message})") from None
         return Empty()
 
     async def Exec(self, req: api.ExecProcessRequest, ctx: Context) -> Empty:

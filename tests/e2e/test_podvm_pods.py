@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -188,13 +190,24 @@ def test_exit_code_7_and_stop_gives_137(ctd, crictl, configs, pod) -> None:
                     / cid).exists()
 
 
+def test_stopping_a_container_that_has_just_exited_succeeds(crictl, configs, pod) -> None:
+    """Between a process's exit in the guest and containerd hearing of it, a stop must
+    not fail: kubelet would see a failed stop of a finished container."""
+    for i in range(5):
+        cid = start_container(crictl, configs, pod["id"], pod["file"], f"quick-{i}", "exit 0")
+        stopped = crictl.run("stop", cid, check=False)
+        assert stopped.returncode == 0, stopped.stderr
+        assert crictl.inspect(cid)["status"]["state"] == "CONTAINER_EXITED"
+        crictl.run("rm", cid)
+
+
 def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
     pod_id, pod_file = runp(crictl, ctd, configs, "vm-gone")
     start_container(crictl, configs, pod_id, pod_file, "gone", "sleep 1000")
     assert podvm_leftovers(ctd, pod_id) != []  # it is all there while the pod runs
     remove_pod(crictl, pod_id)
     assert pod_id not in crictl.pods()
-    wait_for("the pod's shim to exit", lambda: podvm_leftovers(ctd, pod_id) == [], timeout=15)
+    wait_for("the pod's shim to exit", lambda: podvm_leftovers(ctd, pod_id) == [], timeout=60)
 
 
 def test_a_guest_that_dies(ctd, crictl, configs) -> None:
@@ -204,13 +217,74 @@ def test_a_guest_that_dies(ctd, crictl, configs) -> None:
     os.kill(vm, signal.SIGKILL)
     status = wait_for("the container to be reported exited",
                       lambda: (s := crictl.inspect(cid)["status"])["state"]
-                      == "CONTAINER_EXITED" and s, timeout=30)
+                      == "CONTAINER_EXITED" and s, timeout=90)
     assert status["exitCode"] == 255
+    wait_for("the shim to say how QEMU ended, in containerd's log",
+             lambda: f"(pid {vm}) of sandbox {pod_id} was killed by signal SIGKILL while the "
+                     f"pod was running" in ctd.log())
     refused = crictl.exec(cid, "true")
     assert refused.exit_code != 0
     remove_pod(crictl, pod_id)
     wait_for("the dead pod to be cleaned up", lambda: podvm_leftovers(ctd, pod_id) == [],
-             timeout=15)
+             timeout=60)
+
+
+def runp_refused(crictl: Crictl, ctd, configs, name: str) -> str:
+    """runp that must fail: crictl's error output."""
+    pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name))
+    refused = crictl.run("runp", "--runtime", "podvm", str(pod_file), check=False)
+    assert refused.returncode != 0, refused.stdout
+    return refused.stderr
+
+
+def nothing_of_failed_pods_left(ctd) -> None:
+    wait_for("failed pods to leave nothing", lambda: (
+        qemus(ctd.cgroup_parent), [s for s in shims_of(ctd.address)],
+        mounts_under(ctd.workdir)) == ([], [], []), timeout=60)
+
+
+def test_a_qemu_that_aborts_at_start_is_refused_in_its_own_words(ctd, crictl, configs,
+                                                                 tmp_path) -> None:
+    """QEMU exits at once (here: a kernel it cannot load, as real as KVM's `failed to set
+    MSR` abort): runp answers podvm's error with QEMU's own last words, the setting and
+    the file to change, and nothing is left."""
+    junk = tmp_path / "not-a-kernel"
+    junk.write_bytes(bytes(range(256)) * 16)
+    config = pathlib.Path(ctd.podvm_config)
+    good = config.read_text()
+    write_test_config(config, kernel=str(junk))  # read by the shim at each sandbox's Create
+    try:
+        error = runp_refused(crictl, ctd, configs, "vm-aborts")
+    finally:
+        config.write_text(good)
+    assert "exited with status 1 before the guest came up" in error, error
+    assert re.search(r"QEMU said: qemu[\w-]*: \S", error), error  # QEMU's own words
+    assert f'accel = "tcg" in {config}' in error, error
+    nothing_of_failed_pods_left(ctd)
+
+
+def test_a_qemu_killed_while_booting_is_named(ctd, crictl, configs) -> None:
+    before = set(qemus(ctd.cgroup_parent))
+    killed: list[int] = []
+
+    def kill_the_new_qemu() -> None:
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            for pid in set(qemus(ctd.cgroup_parent)) - before:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_the_new_qemu)
+    killer.start()
+    try:
+        error = runp_refused(crictl, ctd, configs, "vm-killed")
+    finally:
+        killer.join()
+    assert killed, "no QEMU appeared"
+    assert "was killed by signal SIGKILL before the guest came up" in error, error
+    assert "QEMU said:" in error and "guest console ends with:" in error, error
+    nothing_of_failed_pods_left(ctd)
 
 
 def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
@@ -226,4 +300,4 @@ def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
         len(mounts_under(ctd.workdir)),
         sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
         if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else []) == before,
-        timeout=30)
+        timeout=90)
