@@ -93,7 +93,7 @@ class _OnFirstCall:
 def _sandbox_service(tasks: TaskService, shutdown):
     from .sandboxapi import SandboxService
 
-    return SandboxService(tasks, shutdown)
+    return SandboxService(tasks.slot, tasks.namespace, shutdown)
 
 
 def _open_log_fifo(path: str) -> None:

@@ -17,6 +17,8 @@ TABLE: tuple[tuple[str, str, Code], ...] = (
     ("shim.hypervisor.base", "CannotGrow", Code.FAILED_PRECONDITION),
     # The VM died, never came up, or cannot be reached: nothing the request can change.
     ("shim.hypervisor.base", "HypervisorError", Code.UNAVAILABLE),
+    # Growth a static-mode VM cannot take (what fits was applied): change the request.
+    ("shim.pod.pod", "StaticRefusal", Code.FAILED_PRECONDITION),
     ("shim.resources.model", "NoFit", Code.RESOURCE_EXHAUSTED),
     ("shim.resources.update", "StaticSizeExceeded", Code.FAILED_PRECONDITION),
     ("shim.resources.model", "PlanError", Code.INVALID_ARGUMENT),

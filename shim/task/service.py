@@ -1,5 +1,5 @@
 """containerd.task.v2.Task (and v3): one thin handler per RPC — validate, find the
-process, check its state, act through the pod's sandbox, publish the event."""
+process, check its state, act through the Pod, publish the event."""
 from __future__ import annotations
 
 import asyncio
@@ -11,48 +11,38 @@ from typing import TYPE_CHECKING, Callable
 
 from google.protobuf.empty_pb2 import Empty
 
-from .. import __version__, config, errors, guestspec, paths
+from .. import __version__, config, paths
 from ..events import Publisher
-from ..hypervisor import HypervisorError
 from ..mounts import Mount
 from ..pb.containerd.events import task_pb2 as events
 from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from ..pb.containerd.task.v2 import shim_pb2 as api
 from ..pb.containerd.types.task_pb2 import ProcessInfo
-from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
-from ..resources.model import from_linux_resources
+from ..pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ..stdio import ProcessIO, Stdio
 from ..ttrpc import Code, Context, TtrpcError
 from .process import Container, Process, State
 
 if TYPE_CHECKING:
-    from ..podplan import PodPlanner
-    from ..sandbox import Sandbox
+    from ..hypervisor import HypervisorError
+    from ..pod.pod import Pod
 
 log = logging.getLogger("podvm.task")
 
 RUNTIME_OPTIONS = "runtimeoptions.v1.Options"
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"
-VM_GONE_STATUS = 255
 
 
 class TaskService:
     def __init__(self, namespace: str, publisher: Publisher,
-                 shutdown: Callable[[], None]) -> None:
+                 shutdown: Callable[[], None], slot: PodSlot | None = None) -> None:
         self.namespace = namespace
         self.containers: dict[str, Container] = {}
-        self.sandbox: Sandbox | None = None
-        self._sandbox_container = ""
+        self.slot = slot or PodSlot()
+        self.slot.listen(self)
         self._publisher = publisher
         self._shutdown = shutdown
         self._background: set[asyncio.Task] = set()
-        self._planner: PodPlanner | None = None
-        self._allocator = None
-        self.pod_owner = None
-        """The Sandbox API's service when it created this pod (no sandbox container)."""
-        self._resizing = asyncio.Lock()
-        self._vm_gone: HypervisorError | None = None
-        """How the pod's QEMU ended, when it died under a running pod."""
 
     # --- lookups -------------------------------------------------------------------
 
@@ -66,11 +56,10 @@ class TaskService:
         return self._container(container_id).process(exec_id)
 
     def _agent(self):
-        if self._vm_gone is not None:
-            raise errors.to_ttrpc(self._vm_gone)
-        if self.sandbox is None or self.sandbox.agent is None:
+        pod = self.slot.pod
+        if pod is None:
             raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
-        return self.sandbox.agent
+        return pod.agent
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -80,6 +69,27 @@ class TaskService:
     def _publish(self, topic: str, event) -> None:
         if self._publisher is not None:
             self._publisher.publish(topic, event)
+
+    # --- what the pod tells ---------------------------------------------------------
+
+    def vm_exited(self, error: HypervisorError) -> None:
+        self.end_processes(VM_GONE_STATUS)
+
+    def vm_stopped(self) -> None:
+        self.end_processes(KILLED_STATUS)
+
+    def container_oom(self, container_id: str) -> None:
+        self._publish("/tasks/oom", events.TaskOOM(container_id=container_id))
+
+    def end_processes(self, status: int) -> int:
+        """The VM is gone from under the pod's processes: each one still alive has
+        exited with `status`, and containerd hears it. The exit time (ns)."""
+        now = time.time_ns()
+        for container in list(self.containers.values()):
+            for proc in (container.init, *container.execs.values()):
+                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
+                    self._exited(proc, status, now)
+        return now
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -95,52 +105,33 @@ class TaskService:
         if req.id in self.containers:
             raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
         spec = _read_bundle(req.bundle)
-        cfg = _load_config(req.options)
         annotations = spec.get("annotations") or {}
-        boots_vm = self.sandbox is None
-        if boots_vm and annotations.get(CONTAINER_TYPE) == "container":
-            raise TtrpcError(Code.FAILED_PRECONDITION,
-                             f"container {req.id} belongs to sandbox "
-                             f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
-                             f"this shim does not run")
-        if boots_vm and self.pod_owner is not None:
+        pod, holder = self.slot.pod, self.slot.pod is None
+        if holder:
+            if annotations.get(CONTAINER_TYPE) == "container":
+                raise TtrpcError(Code.FAILED_PRECONDITION,
+                                 f"container {req.id} belongs to sandbox "
+                                 f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM "
+                                 f"this shim does not run")
+            pod = await self._boot_pod(req.id, _load_config(req.options), spec)
+        elif not pod.booted:
             raise TtrpcError(Code.FAILED_PRECONDITION,
                              f"container {req.id}: the pod's sandbox was created through the "
                              f"Sandbox API and is not started")
-        if boots_vm:
-            cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
-            await self.start_pod(req.id, cfg, _planner(cfg, spec, cgroups_path), cgroups_path)
-        else:
-            try:
-                await self._resize(req.id, from_linux_resources(
-                    (spec.get("linux") or {}).get("resources") or {}))
-            except StaticRefusal:
-                await self._resize(req.id, None, quiet=True)  # no container: nothing kept
-                raise
-        assert self.sandbox is not None
-        guest = guestspec.rewrite(spec, req.id, self._guest_cpus(req.id))
-        for what in guest.dropped:
-            log.info("container %s: left out %s", req.id, what)
-        rootfs = [Mount(m.type, m.source, tuple(m.options)) for m in req.rootfs]
+        assert pod is not None
         stdio = Stdio.of(req.stdin, req.stdout, req.stderr, req.terminal)
         try:
-            self.sandbox.share(req.id, req.bundle, rootfs, guest.binds)
-            await self._agent().create_container(req.id, json.dumps(guest.spec).encode(),
-                                                 stdio, sandbox=boots_vm,
-                                                 pod_holder=annotations.get(CONTAINER_TYPE)
-                                                 == "sandbox")
-        except BaseException as exc:
-            await self._undo_create(req.id, boots_vm)
-            if isinstance(exc, OSError):
-                raise TtrpcError(Code.INVALID_ARGUMENT,
-                                 f"cannot share the files of container {req.id} with its VM: "
-                                 f"{exc}") from None
-            if isinstance(exc, ValueError):
-                raise TtrpcError(Code.INVALID_ARGUMENT, f"container {req.id}: {exc}") from None
+            await pod.add_container(
+                req.id, req.bundle, spec,
+                [Mount(m.type, m.source, tuple(m.options)) for m in req.rootfs], stdio,
+                holder=holder, pod_holder=annotations.get(CONTAINER_TYPE) == "sandbox")
+        except BaseException:
+            if holder:
+                self.slot.pod = None  # its VM is stopped: the next sandbox boots anew
             raise
-        init = Process(req.id, pid=self.sandbox.pid, stdin=req.stdin, stdout=req.stdout,
+        init = Process(req.id, pid=pod.pid, stdin=req.stdin, stdout=req.stdout,
                        stderr=req.stderr, terminal=req.terminal)
-        init.io = ProcessIO(self._agent(), req.id, "", req.stdin, req.stdout, req.stderr,
+        init.io = ProcessIO(pod.agent, req.id, "", req.stdin, req.stdout, req.stderr,
                             req.terminal)
         init.io.start()
         self.containers[req.id] = Container(req.id, req.bundle, init)
@@ -150,210 +141,32 @@ class TaskService:
                              terminal=req.terminal), pid=init.pid))
         return api.CreateTaskResponse(pid=init.pid)
 
-    async def boot_sandbox(self, container_id: str, cfg: config.Config,
-                           plan: SandboxPlan, cgroups_path: str = "") -> None:
-        """Boot the pod's VM from a computed plan; Task.Create of the sandbox container
-        and the Sandbox API's StartSandbox both come here. `cgroups_path` is where the
-        sandbox container's cgroup would be (cgroupfs or systemd syntax): the sandbox
-        cgroup goes under its parent, the pod cgroup."""
-        import cgroups  # the VM machinery loads with a pod's first Create
+    async def _boot_pod(self, sandbox_id: str, cfg: config.Config, spec: dict) -> Pod:
+        """The sandbox container's Create: its pod, planned from its spec and the pod
+        cgroup kubelet made, booted."""
+        from ..hostcgroup import pod_cgroup_limits  # the VM machinery loads with a pod
+        from ..pod.pod import Pod, planned
+        from ..pod.planner import PodPlanner
+        from ..sandbox import host
 
-        from ..sandbox import Sandbox
-
+        cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
+        memory_mib, cpus = pod_cgroup_limits(cgroups_path)
+        planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
+        pod = Pod(self.namespace, sandbox_id, cfg, planner, cgroups_path)
+        self.slot.take(pod)
         try:
-            sandbox = Sandbox(self.namespace, container_id, cfg, plan, cgroups_path)
-        except cgroups.CgroupError as exc:
-            raise errors.to_ttrpc(exc, f"cgroup of sandbox {container_id}") from None
-        for line in sandbox.plan.explanation:
-            log.info("sandbox %s plan: %s", container_id, line)
-        started = time.monotonic()
-        try:
-            await sandbox.boot()
-        except cgroups.CgroupError as exc:
-            raise errors.to_ttrpc(exc, "sandbox cgroup") from None
-        except HypervisorError as exc:
-            raise errors.to_ttrpc(exc) from None
-        log.info("sandbox %s: VM ready in %.2fs", container_id, time.monotonic() - started)
-        self.sandbox, self._sandbox_container = sandbox, container_id
-        self._spawn(self._watch_vm(sandbox))
-        self._spawn(self._watch_oom(sandbox))
-
-    async def _undo_create(self, container_id: str, boots_vm: bool) -> None:
-        if self.sandbox is None:
-            return
-        try:
-            self.sandbox.unshare(container_id)
-        except OSError as exc:
-            log.error("container %s: cleanup after a failed create: %s", container_id, exc)
-        if not boots_vm:
-            await self._resize(container_id, None, quiet=True)
-        if boots_vm:
-            sandbox, self.sandbox = self.sandbox, None
-            await sandbox.shutdown()
-
-    async def start_pod(self, sandbox_id: str, cfg: config.Config, planner: PodPlanner,
-                        cgroups_path: str) -> None:
-        """Reserve the pod's CPUs (exclusive mode), plan and boot its VM; the sandbox
-        container's Create and the Sandbox API's StartSandbox both come here."""
-        allocator = self._reserve_cpus(sandbox_id, cfg, planner)
-        try:
-            planner.boot = _planned(planner.plan)
-            await self.boot_sandbox(sandbox_id, cfg, planner.boot, cgroups_path)
+            await pod.boot()
         except BaseException:
-            if allocator is not None:
-                allocator.release(sandbox_id)
+            self.slot.pod = None
             raise
-        self._planner, self._allocator = planner, allocator
-        if planner.shared_pool is not None:
-            self._spawn(self._watch_pool())
-
-    async def update_pod(self, sandbox: ContainerResources) -> None:
-        """The pod's own totals changed (the Sandbox API's UpdateSandbox): re-plan, apply."""
-        await self._resize(None, None, sandbox=sandbox)
-
-    def _reserve_cpus(self, sandbox_id: str, cfg: config.Config, planner: PodPlanner):
-        """cpu_reservation = "exclusive": the pod's own CPUs from the node-wide allocator
-        (an integral CPU request), or the shared pool. The allocator, or None."""
-        if cfg.runtime.cpu_reservation != "exclusive":
-            return None
-        from ..cpus.allocator import Allocator, AllocatorError
-
-        allocator = Allocator(reserved=cfg.runtime.reserved_cpus)
-        count = planner.exclusive_request()
-        if not count:
-            planner.shared_pool = allocator.shared_pool
-            return allocator
-        try:
-            planner.exclusive = allocator.reserve(sandbox_id, count)
-        except AllocatorError as exc:  # NoFreeCPUs, or state it cannot trust
-            raise TtrpcError(Code.RESOURCE_EXHAUSTED, f"podvm: {exc}") from None
-        log.info("sandbox %s: exclusive host CPUs %s", sandbox_id, sorted(planner.exclusive))
-        return allocator
-
-    async def _watch_pool(self) -> None:
-        """A pod in the shared pool follows it as exclusive reservations come and go."""
-        assert self._allocator is not None
-        seen = self._allocator.version()
-        while self.sandbox is not None:
-            await asyncio.sleep(1)
-            now = self._allocator.version()
-            if now != seen:
-                seen = now
-                await self._resize(None, None, quiet=True)
-
-    def _guest_cpus(self, container_id: str) -> list[int] | None:
-        """The vCPUs a container's host cpuset maps to (pinned vCPUs), for its cpuset in
-        the guest; None when it has no cpuset or nothing maps."""
-        planner, sandbox = self._planner, self.sandbox
-        if planner is None or sandbox is None:
-            return None
-        cpuset = planner.containers.get(container_id, ContainerResources()).cpuset
-        if not cpuset:
-            return None
-        from cgroups.limits import parse_cpu_list
-
-        from ..cpus.pinning import guest_cpus_for_update
-
-        # Every vCPU when nothing maps (vCPUs floating): a cpuset set earlier in the guest
-        # would otherwise stay, narrower than the container's CPUs now allow.
-        return guest_cpus_for_update(parse_cpu_list(cpuset), sandbox.vcpu_pins) or None
-
-    async def _confine(self, skip: str | None) -> None:
-        """After the vCPUs were re-pinned: every other container's cpuset in the guest
-        follows."""
-        sandbox = self.sandbox
-        if sandbox is None or sandbox.agent is None:
-            return
-        for cid, container in self.containers.items():
-            if cid == skip or container.init.state is State.STOPPED:
-                continue
-            cpus = self._guest_cpus(cid)
-            if cpus is None:
-                continue
-            try:
-                await sandbox.agent.update(cid, json.dumps(
-                    {"cpu": {"cpus": guestspec.cpu_list(cpus)}}).encode())
-            except TtrpcError as exc:
-                log.warning("container %s: guest cpuset: %s", cid, exc.message)
-
-    async def _resize(self, container_id: str | None, resources: ContainerResources | None,
-                      quiet: bool = False, sandbox: ContainerResources | None = None) -> None:
-        """Re-plan the pod with `container_id` at `resources` (None: gone; no id: only the
-        shared CPU pool changed) and apply the step: host cgroup limits, vCPUs and memory
-        hot-plugged, vCPUs re-pinned, the guest told. All or nothing: on failure the plan
-        in force stays. Growth a static-mode VM cannot take is the exception: what fits
-        in the VM (limits, cpuset) is applied, then StaticRefusal is raised.
-        `quiet`: failures are logged only (a shrink during cleanup)."""
-        pod_totals, sandbox, planner = sandbox, self.sandbox, self._planner
-        if sandbox is None or planner is None:
-            return
-        async with self._resizing:
-            containers = dict(planner.containers)
-            base = pod_totals
-            if container_id is None:
-                pass
-            elif container_id == self._sandbox_container:
-                base = resources or ContainerResources()  # ctr run: a container is its pod
-            elif resources is None:
-                containers.pop(container_id, None)
-            else:
-                containers[container_id] = resources
-            import cgroups
-
-            refusal = None
-            try:
-                try:
-                    delta = planner.update(sandbox.plan, containers, base)
-                except StaticSizeExceeded as exc:
-                    if exc.fitting is None:
-                        raise
-                    refusal, delta = exc, exc.fitting  # apply what fits, then refuse
-                pins = list(sandbox.vcpu_pins)
-                if delta.plan != sandbox.plan:
-                    try:
-                        await sandbox.resize(delta)
-                    except (HypervisorError, cgroups.CgroupError) as exc:
-                        raise errors.to_ttrpc(exc, f"resizing sandbox {sandbox.id}") from None
-            except (TtrpcError, PlanError) as exc:
-                if isinstance(exc, PlanError):
-                    exc = _planning_error(exc)
-                if not quiet:
-                    raise exc from None
-                log.warning("sandbox %s: re-plan without %s: %s", sandbox.id, container_id,
-                            exc.message)
-                return
-            planner.commit(containers, base)
-            if pins != sandbox.vcpu_pins:
-                await self._confine(skip=container_id)
-            if refusal is not None:
-                raise StaticRefusal(f"podvm: {refusal} (applied what fits in the VM: "
-                                    f"{'; '.join(delta.notes)})")
-
-    async def _watch_vm(self, sandbox: Sandbox) -> None:
-        assert sandbox.vm is not None
-        await sandbox.vm.wait()
-        if self.sandbox is not sandbox:
-            return  # stopped on purpose
-        self._vm_gone = await sandbox.vm.exited()
-        log.error("sandbox %s: %s", sandbox.id, self._vm_gone)
-        now = self.end_processes(VM_GONE_STATUS)
-        if self.pod_owner is not None:
-            self.pod_owner.vm_gone(VM_GONE_STATUS, now)
-
-    async def _watch_oom(self, sandbox: Sandbox) -> None:
-        while sandbox.agent is not None:
-            try:
-                container_id = await sandbox.agent.oom_event()
-            except TtrpcError as exc:
-                log.debug("OOM watch of sandbox %s ended: %s", sandbox.id, exc)
-                return
-            log.warning("container %s: out of memory in the guest", container_id)
-            self._publish("/tasks/oom", events.TaskOOM(container_id=container_id))
+        return pod
 
     def _exited(self, proc: Process, status: int, at_ns: int) -> None:
         if proc.state is State.STOPPED:
             return
         proc.set_exited(status, at_ns)
+        if not proc.exec_id and self.slot.pod is not None:
+            self.slot.pod.container_stopped(proc.container_id)
         event = events.TaskExit(container_id=proc.container_id,
                                 id=proc.exec_id or proc.container_id, pid=proc.pid,
                                 exit_status=status)
@@ -439,49 +252,19 @@ class TaskService:
             await self._agent().signal(proc.container_id, "", 9, True)
         except TtrpcError as exc:
             log.debug("%s: kill before delete: %s", proc.name, exc)
-        proc.exit_status, proc.exited_at_ns = 137, time.time_ns()
+        proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
 
     async def _remove_container(self, container: Container) -> None:
         for exec_proc in container.execs.values():
             if exec_proc.io is not None:
                 await exec_proc.io.close()
         del self.containers[container.id]
-        sandbox = self.sandbox
-        if sandbox is None:
-            return
-        if sandbox.agent is not None:
-            try:
-                await sandbox.agent.remove(container.id)
-            except TtrpcError as exc:
-                log.warning("container %s: removal in the guest: %s", container.id, exc)
-        sandbox.unshare(container.id)
-        if container.id == self._sandbox_container:
-            await self.stop_pod()
-        else:
-            await self._resize(container.id, None, quiet=True)
-
-    async def stop_pod(self) -> None:
-        """Stop the VM and everything of the pod on the host; a no-op when stopped."""
-        sandbox, self.sandbox = self.sandbox, None
-        if sandbox is None:
-            return
-        log.info("sandbox %s: stopping the VM", sandbox.id)
-        await sandbox.shutdown()
-        if self._allocator is not None:
-            self._allocator.release(sandbox.id)
-        for task in list(self._background):
-            task.cancel()
-
-    def end_processes(self, status: int) -> int:
-        """The VM is gone from under the pod's processes (it died, or the Sandbox API's
-        StopSandbox stopped it): each one still alive has exited with `status`, and
-        containerd hears it. The exit time (ns)."""
-        now = time.time_ns()
-        for container in list(self.containers.values()):
-            for proc in (container.init, *container.execs.values()):
-                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
-                    self._exited(proc, status, now)
-        return now
+        pod = self.slot.pod
+        if pod is not None:
+            holder = container.id == pod.id
+            await pod.remove_container(container.id, holder=holder)
+            if holder:
+                self.slot.pod = None
 
     # --- processes -----------------------------------------------------------------
 
@@ -563,31 +346,16 @@ class TaskService:
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")
-        from ..podplan import parse_linux_resources
+        from ..pod.planner import parse_linux_resources
 
         try:
             resources, wanted = parse_linux_resources(req.resources.value)
         except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"update of {req.id}: {exc}") from None
-        planner = self._planner
-        before = None
-        if planner is not None:
-            before = planner.sandbox if req.id == self._sandbox_container else \
-                planner.containers.get(req.id, ContainerResources())
-        refused = None
-        try:
-            await self._resize(req.id, wanted)  # the host first: the guest gets room to grow
-        except StaticRefusal as exc:
-            refused = exc  # the container's own limits in the guest still apply
-        try:
-            await self._agent().update(req.id, json.dumps(guestspec.resources(
-                resources, self._guest_cpus(req.id))).encode())
-        except BaseException:
-            if before is not None and refused is None:
-                await self._resize(req.id, before, quiet=True)
-            raise
-        if refused is not None:
-            raise refused
+        pod = self.slot.pod
+        if pod is None:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
+        await pod.update_container(req.id, resources, wanted)
         return Empty()
 
     async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:
@@ -609,7 +377,8 @@ class TaskService:
             for proc in (container.init, *container.execs.values()):
                 if proc.io is not None:
                     await proc.io.close()
-        await self.stop_pod()
+        if self.slot.pod is not None:
+            await self.slot.pod.stop()
 
 
 def _read_bundle(bundle: str) -> dict:
@@ -623,40 +392,6 @@ def _read_bundle(bundle: str) -> dict:
     if not isinstance(spec, dict):
         raise TtrpcError(Code.INVALID_ARGUMENT, f"bundle {bundle} has no OCI spec (config.json)")
     return spec
-
-
-def _planner(cfg: config.Config, spec: dict, cgroups_path: str) -> PodPlanner:
-    """The pod's planning inputs from the sandbox container's spec and its pod cgroup."""
-    from ..hostcgroup import pod_cgroup_limits
-    from ..podplan import PodPlanner
-    from ..sandbox import host
-
-    memory_mib, cpus = pod_cgroup_limits(cgroups_path)
-    return _planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
-
-
-class StaticRefusal(TtrpcError):
-    """Growth a static-mode VM cannot take: refused, after what fits was applied."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(Code.FAILED_PRECONDITION, message)
-
-
-def _planning_error(exc: Exception) -> TtrpcError:
-    """A planning error as the status code it means; a value the model could not read
-    is the request's fault."""
-    answer = errors.to_ttrpc(exc)
-    if answer.code is Code.UNKNOWN:
-        return TtrpcError(Code.INVALID_ARGUMENT, answer.message)
-    return answer
-
-
-def _planned(compute):
-    """Run a planning step; its errors as the status codes they mean."""
-    try:
-        return compute()
-    except (PlanError, ValueError, TypeError) as exc:
-        raise _planning_error(exc) from None
 
 
 def _load_config(options) -> config.Config:

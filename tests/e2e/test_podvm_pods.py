@@ -237,10 +237,14 @@ def runp_refused(crictl: Crictl, ctd, configs, name: str) -> str:
     return refused.stderr
 
 
-def nothing_of_failed_pods_left(ctd) -> None:
-    wait_for("failed pods to leave nothing", lambda: (
-        qemus(ctd.cgroup_parent), [s for s in shims_of(ctd.address)],
-        mounts_under(ctd.workdir)) == ([], [], []), timeout=60)
+def running(ctd) -> tuple:
+    """What this test containerd's pods hold on the host now."""
+    return (sorted(qemus(ctd.cgroup_parent)), sorted(shims_of(ctd.address)),
+            sorted(mounts_under(ctd.workdir)))
+
+
+def nothing_of_failed_pods_left(ctd, before: tuple) -> None:
+    wait_for("failed pods to leave nothing", lambda: running(ctd) == before, timeout=60)
 
 
 def test_a_qemu_that_aborts_at_start_is_refused_in_its_own_words(ctd, crictl, configs,
@@ -253,6 +257,7 @@ def test_a_qemu_that_aborts_at_start_is_refused_in_its_own_words(ctd, crictl, co
     config = pathlib.Path(ctd.podvm_config)
     good = config.read_text()
     write_test_config(config, kernel=str(junk))  # read by the shim at each sandbox's Create
+    before = running(ctd)
     try:
         error = runp_refused(crictl, ctd, configs, "vm-aborts")
     finally:
@@ -260,17 +265,17 @@ def test_a_qemu_that_aborts_at_start_is_refused_in_its_own_words(ctd, crictl, co
     assert "exited with status 1 before the guest came up" in error, error
     assert re.search(r"QEMU said: qemu[\w-]*: \S", error), error  # QEMU's own words
     assert f'accel = "tcg" in {config}' in error, error
-    nothing_of_failed_pods_left(ctd)
+    nothing_of_failed_pods_left(ctd, before)
 
 
 def test_a_qemu_killed_while_booting_is_named(ctd, crictl, configs) -> None:
-    before = set(qemus(ctd.cgroup_parent))
+    before = running(ctd)
     killed: list[int] = []
 
     def kill_the_new_qemu() -> None:
         deadline = time.monotonic() + 120
         while not killed and time.monotonic() < deadline:
-            for pid in set(qemus(ctd.cgroup_parent)) - before:
+            for pid in set(qemus(ctd.cgroup_parent)) - set(before[0]):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             time.sleep(0.01)
@@ -284,20 +289,17 @@ def test_a_qemu_killed_while_booting_is_named(ctd, crictl, configs) -> None:
     assert killed, "no QEMU appeared"
     assert "was killed by signal SIGKILL before the guest came up" in error, error
     assert "QEMU said:" in error and "guest console ends with:" in error, error
-    nothing_of_failed_pods_left(ctd)
+    nothing_of_failed_pods_left(ctd, before)
 
 
 def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
-    before = (len(qemus(ctd.cgroup_parent)), len(shims_of(ctd.address)),
-              len(mounts_under(ctd.workdir)),
-              sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
-              if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else [])
+    """Counted against this containerd's own pods only: other runs on the machine share
+    /run/podvm/k8s.io."""
+    before = running(ctd)
+    pods = []
     for i in range(20):
         pod_id, _ = runp(crictl, ctd, configs, f"vm-row-{i}")
+        pods.append(pod_id)
         remove_pod(crictl, pod_id)
-    wait_for("every shim to exit", lambda: (
-        len(qemus(ctd.cgroup_parent)), len(shims_of(ctd.address)),
-        len(mounts_under(ctd.workdir)),
-        sorted(os.listdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)))
-        if os.path.isdir(os.path.join(paths.STATE_ROOT, CRI_NAMESPACE)) else []) == before,
-        timeout=90)
+    wait_for("every shim to exit", lambda: running(ctd) == before and not any(
+        podvm_leftovers(ctd, pod_id) for pod_id in pods), timeout=90)

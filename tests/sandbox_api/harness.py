@@ -43,9 +43,11 @@ class Pod:
         return await self.client.call(SANDBOX, method, request, response_type)
 
     def config(self, quota: int = 0, memory: int = 0, overhead_memory: int = 512 * MIB,
-               annotations: dict[str, str] | None = None) -> cri.PodSandboxConfig:
-        """A PodSandboxConfig as CRI sends it: the pod's totals, the RuntimeClass overhead,
-        kubelet's pod cgroup as the parent."""
+               annotations: dict[str, str] | None = None,
+               overhead_quota: int = 100_000) -> cri.PodSandboxConfig:
+        """A PodSandboxConfig as CRI sends it: the pod's totals, the RuntimeClass overhead
+        (1000m CPU by default, as packaging/ declares), kubelet's pod cgroup as the
+        parent."""
         config = cri.PodSandboxConfig()
         config.metadata.name, config.metadata.uid = "api-pod", f"uid-{self.id}"
         config.metadata.namespace = "default"
@@ -56,6 +58,9 @@ class Pod:
             config.linux.resources.cpu_quota = quota
         config.linux.resources.memory_limit_in_bytes = memory
         config.linux.overhead.memory_limit_in_bytes = overhead_memory
+        if overhead_quota:
+            config.linux.overhead.cpu_period = 100_000
+            config.linux.overhead.cpu_quota = overhead_quota
         config.annotations.update(annotations or {})
         return config
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from shim.pb.cri import api_pb2 as cri
 from shim.resources import ContainerResources
-from shim.sandboxapi import _cgroups_path, _pod_resources
+from shim.pod.planner import pod_resources as _pod_resources
+from shim.sandboxapi import _cgroups_path
 
 
 def test_the_sandbox_goes_under_the_cgroup_parent_in_its_syntax() -> None:

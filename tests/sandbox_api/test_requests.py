@@ -147,6 +147,16 @@ async def test_the_plan_comes_from_the_whole_pod_sandbox_config(pod) -> None:
     assert (platform.platform.os, platform.platform.architecture) == ("linux", "amd64")
 
 
+async def test_a_cpu_overhead_too_small_for_the_guest_is_refused_at_create(pod) -> None:
+    """kubelet's pod cgroup holds the CPU limits plus the declared overhead: the guest's
+    own vCPU must fit in it, as it must through the Task API."""
+    with pytest.raises(TtrpcError) as caught:
+        await pod.create(pod.config(quota=100_000, memory=256 * MIB, overhead_quota=50_000))
+    err = caught.value
+    assert err.code == Code.RESOURCE_EXHAUSTED
+    assert "overhead.podFixed.cpu >= 1000m" in err.message, err.message
+
+
 async def test_nothing_runs_before_start(pod) -> None:
     await pod.create(pod.config(memory=128 * MIB))
     for method in ("PingSandbox", "SandboxMetrics", "UpdateSandbox"):

@@ -11,6 +11,7 @@ from shim import errors
 from shim.config import ConfigError
 from shim.cpus.allocator import NoFreeCPUs
 from shim.hypervisor import BootTimeout, CannotGrow, HypervisorError, MissingFile, VMExited
+from shim.pod.pod import StaticRefusal
 from shim.resources.model import NoFit, PlanError
 from shim.resources.update import StaticSizeExceeded
 from shim.ttrpc import Code, TtrpcError
@@ -35,6 +36,7 @@ def test_no_row_is_shadowed_by_an_earlier_one() -> None:
     (VMExited("QEMU exited with status 1"), Code.UNAVAILABLE),
     (BootTimeout("did not come up"), Code.UNAVAILABLE),
     (HypervisorError("QMP failed"), Code.UNAVAILABLE),
+    (StaticRefusal("cannot grow a static VM"), Code.FAILED_PRECONDITION),
     (NoFit("does not fit"), Code.RESOURCE_EXHAUSTED),
     (StaticSizeExceeded("too big", None), Code.FAILED_PRECONDITION),
     (PlanError("bad value"), Code.INVALID_ARGUMENT),

@@ -1,7 +1,11 @@
 """The inputs of one pod's plan, kept for the pod's life: the configuration, the sandbox's
 annotations (CRI's pod totals, Kata's sizing annotations), what the pod cgroup allows,
 and each container's resources. Every change (a container created, updated or removed)
-re-plans from all of them with the pure model; the service then applies the delta."""
+re-plans from all of them with the pure model; the Pod then applies the delta.
+
+Both APIs build these inputs here, from what each receives (the sandbox container's OCI
+spec and its pod cgroup; a PodSandboxConfig), so a pod gets the same plan whichever API
+created it."""
 from __future__ import annotations
 
 import json
@@ -10,11 +14,11 @@ from typing import Callable, Mapping
 
 from cgroups.limits import format_cpu_list, parse_cpu_list
 
-from .config import Config
-from .resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,
+from ..config import Config
+from ..resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,
                         StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)
-from .resources import annotations as annotations_model
-from .resources.model import from_linux_resources, request_from_config
+from ..resources import annotations as annotations_model
+from ..resources.model import MIB, from_linux_resources, request_from_config
 
 
 class PodPlanner:
@@ -47,6 +51,21 @@ class PodPlanner:
         else:
             pod = resources_of(spec)
         return cls(config, annotations, pod, host, pod_cgroup_memory_mib, pod_cgroup_cpus)
+
+    @classmethod
+    def for_pod_config(cls, config: Config, pod, annotations: Mapping[str, str],
+                       host: Host) -> PodPlanner:
+        """From a CRI PodSandboxConfig (the Sandbox API): the pod's totals, and the pod
+        cgroup kubelet makes for it, which holds the containers' limits plus the
+        RuntimeClass overhead. PlanError for a bad annotation."""
+        base = pod_resources(pod)
+        overhead = pod.linux.overhead
+        overhead_bytes = max(0, overhead.memory_limit_in_bytes)
+        overhead_cpus = overhead.cpu_quota / overhead.cpu_period \
+            if overhead.cpu_quota > 0 and overhead.cpu_period > 0 else 0.0
+        return cls(config, annotations, base, host,
+                   pod_cgroup_memory_mib(base.memory_limit, overhead_bytes),
+                   base.quota_cpus + overhead_cpus if base.quota_cpus else 0.0)
 
     def plan(self, containers: Mapping[str, ContainerResources] | None = None,
              sandbox: ContainerResources | None = None) -> SandboxPlan:
@@ -106,6 +125,21 @@ class PodPlanner:
         self.containers = dict(containers)
         if sandbox is not None:
             self.sandbox = sandbox
+
+
+def pod_cgroup_memory_mib(limit_bytes: int, overhead_bytes: int) -> int:
+    """kubelet's pod cgroup memory for a pod with these limits (0: none), rounded up as
+    the model rounds the workload up."""
+    return -(-(limit_bytes + overhead_bytes) // MIB) if limit_bytes else 0
+
+
+def pod_resources(pod) -> ContainerResources:
+    """The pod's totals from a PodSandboxConfig (none set: no limits)."""
+    r = pod.linux.resources
+    return ContainerResources(cpu_quota=r.cpu_quota, cpu_period=r.cpu_period,
+                              cpu_shares=r.cpu_shares,
+                              memory_limit=max(0, r.memory_limit_in_bytes),
+                              cpuset=r.cpuset_cpus)
 
 
 def parse_linux_resources(raw: bytes) -> tuple[dict, ContainerResources]:

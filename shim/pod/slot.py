@@ -1,0 +1,30 @@
+"""The shim's one pod, shared by the Task and Sandbox APIs without either calling the
+other: the Sandbox API creates the pod before it boots, the Task API boots one for a
+sandbox container; each API listens to whichever pod the slot holds."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pod import Pod, PodListener
+
+VM_GONE_STATUS = 255
+"""Exit status of a process whose VM died under it."""
+KILLED_STATUS = 137
+"""Exit status of a process whose VM was stopped under it (128 + SIGKILL)."""
+
+
+class PodSlot:
+    def __init__(self) -> None:
+        self.pod: Pod | None = None
+        self._listeners: list[PodListener] = []
+
+    def listen(self, listener: PodListener) -> None:
+        """`listener` hears every pod this slot takes from now on."""
+        self._listeners.append(listener)
+
+    def take(self, pod: Pod) -> None:
+        """Hold `pod` (before it boots: its watchers tell the listeners)."""
+        for listener in self._listeners:
+            pod.listen(listener)
+        self.pod = pod
