@@ -1,8 +1,12 @@
 """Explicit process states. An RPC that is illegal in the current state is an answer
-(FAILED_PRECONDITION or NOT_FOUND), never a corrupted state."""
+(FAILED_PRECONDITION or NOT_FOUND), never a corrupted state. RPCs are served
+concurrently: an operation holds the process's lock from its check, across the agent
+call, to its transition, so two of them (Start and Start, Kill and Delete) never both
+pass the check of one state."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -62,6 +66,7 @@ class Process:
     io: Any = None
     """The ProcessIO copying its stdio, once the guest process exists."""
     _exited: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def name(self) -> str:
@@ -70,6 +75,8 @@ class Process:
 
     def check(self, operation: str) -> None:
         """Raise the answer for `operation` when it is illegal now; change nothing."""
+        if self.state is State.DELETED:  # gone for containerd, as if never there
+            raise TtrpcError(Code.NOT_FOUND, f"{self.name} not found: it was deleted")
         if operation in LIVE_ONLY:
             if self.state not in LIVE_ONLY[operation]:
                 if self.state is State.STOPPED and operation == "kill":
@@ -85,6 +92,17 @@ class Process:
         self.check(operation)
         if operation in TRANSITIONS:
             self.state = TRANSITIONS[operation][self.state]
+
+    @contextlib.asynccontextmanager
+    async def acting(self, operation: str):
+        """`async with proc.acting("start"): <the agent call>`: one operation at a time
+        on this process; checked under the lock, moved to the next state when the body
+        succeeds (unless the process exited meanwhile: its exit stands)."""
+        async with self._lock:
+            self.check(operation)
+            yield
+            if operation in TRANSITIONS and self.state in TRANSITIONS[operation]:
+                self.state = TRANSITIONS[operation][self.state]
 
     def set_exited(self, status: int, at_ns: int) -> None:
         self.transition("exit")

@@ -188,17 +188,16 @@ class TaskService:
     async def Start(self, req: api.StartRequest, ctx: Context) -> api.StartResponse:
         container = self._container(req.id)
         proc = container.process(req.exec_id)
-        proc.check("start")
-        agent = self._agent()
-        if req.exec_id:
-            await agent.exec_process(req.id, req.exec_id, proc.process_json, Stdio.of(
-                proc.stdin, proc.stdout, proc.stderr, proc.terminal))
-            proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
-                                proc.stderr, proc.terminal)
-            proc.io.start()
-        else:
-            await agent.start_container(req.id)
-        proc.transition("start")
+        async with proc.acting("start"):
+            agent = self._agent()
+            if req.exec_id:
+                await agent.exec_process(req.id, req.exec_id, proc.process_json, Stdio.of(
+                    proc.stdin, proc.stdout, proc.stderr, proc.terminal))
+                proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
+                                    proc.stderr, proc.terminal)
+                proc.io.start()
+            else:
+                await agent.start_container(req.id)
         self._spawn(self._reap(proc))
         if req.exec_id:
             self._publish("/tasks/exec-started", events.TaskExecStarted(
@@ -227,10 +226,9 @@ class TaskService:
     async def Delete(self, req: api.DeleteRequest, ctx: Context) -> api.DeleteResponse:
         container = self._container(req.id)
         proc = container.process(req.exec_id)
-        proc.check("delete")
-        if proc.state is State.CREATED and not req.exec_id:
-            await self._kill_created(proc)
-        proc.transition("delete")
+        async with proc.acting("delete"):
+            if proc.state is State.CREATED and not req.exec_id:
+                await self._kill_created(proc)
         if proc.io is not None:
             await proc.io.close()
         if req.exec_id:
@@ -275,8 +273,8 @@ class TaskService:
         outlived its init."""
         proc = self._process(req.id, req.exec_id)
         if not (req.all and not req.exec_id and proc.state is State.STOPPED):
-            proc.check("kill")
-            await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
+            async with proc.acting("kill"):
+                await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
             return Empty()
         try:
             await self._agent().signal(req.id, "", req.signal, True)
@@ -320,17 +318,15 @@ class TaskService:
 
     async def Pause(self, req: api.PauseRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
-        proc.check("pause")
-        await self._agent().pause(req.id)
-        proc.transition("pause")
+        async with proc.acting("pause"):
+            await self._agent().pause(req.id)
         self._publish("/tasks/paused", events.TaskPaused(container_id=req.id))
         return Empty()
 
     async def Resume(self, req: api.ResumeRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
-        proc.check("resume")
-        await self._agent().resume(req.id)
-        proc.transition("resume")
+        async with proc.acting("resume"):
+            await self._agent().resume(req.id)
         self._publish("/tasks/resumed", events.TaskResumed(container_id=req.id))
         return Empty()
 

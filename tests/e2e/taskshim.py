@@ -93,9 +93,15 @@ class EventSink:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
+        self.deleted: list[str] = []
+        """The container ids of /tasks/delete events, in order."""
 
     async def Forward(self, req: ForwardRequest, ctx) -> Empty:
         self.events.append((req.envelope.topic, req.envelope.event.type_url))
+        if req.envelope.topic == "/tasks/delete":
+            from shim.pb.containerd.events.task_pb2 import TaskDelete
+
+            self.deleted.append(TaskDelete.FromString(req.envelope.event.value).container_id)
         return Empty()
 
 
@@ -125,7 +131,8 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     options = api.CreateTaskRequest().options
     options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", runtime, **qemu))))
     ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
-           "grpc": grpc, "bundle": bundle, "events": sink.events}
+           "grpc": grpc, "bundle": bundle, "events": sink.events,
+           "deleted": sink.deleted}
     try:  # from here on, `delete` in `finally` kills the daemon whatever happened
         try:
             await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))

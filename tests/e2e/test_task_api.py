@@ -115,3 +115,51 @@ async def test_pause_update_pids_stats_and_kill_all(shim) -> None:
         waited = await call(shim, "Wait", api.WaitRequest(id="busy"), api.WaitResponse)
     assert waited.exit_status == 137
     await call(shim, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)
+
+
+RACE_ROUNDS = int(os.environ.get("PODVM_RACE_ROUNDS", "3"))
+"""Rounds of the concurrency test in the suite; run it with 50 to qualify a change."""
+
+
+async def both(shim, method, request, response=api.StateResponse) -> list:
+    """The same call twice at once on one connection: the answers, errors as values."""
+    return await asyncio.gather(call(shim, method, request, response),
+                                call(shim, method, request, response),
+                                return_exceptions=True)
+
+
+def codes(results: list) -> list:
+    return sorted(r.code.name if isinstance(r, TtrpcError) else "OK" for r in results)
+
+
+async def test_concurrent_calls_on_one_process_have_one_winner(shim) -> None:
+    """containerd serves nothing one at a time: two Starts, a Kill beside a Delete, two
+    Deletes of one process arrive together. Exactly one of each pair acts, the other
+    gets the code containerd expects, and State and the events stay consistent."""
+    for i in range(RACE_ROUNDS):
+        cid = f"race-{i}"
+        fifos = Fifos(shim["tmp"], cid)
+        await create(shim, cid, workload_bundle(shim, cid, args=["sleep", "1000"]), fifos)
+        started = await both(shim, "Start", api.StartRequest(id=cid), api.StartResponse)
+        assert codes(started) == ["FAILED_PRECONDITION", "OK"], started
+        assert (await call(shim, "State", api.StateRequest(id=cid))).status == 2  # running
+        killed, deleted = await asyncio.gather(
+            call(shim, "Kill", api.KillRequest(id=cid, signal=9)),
+            call(shim, "Delete", api.DeleteRequest(id=cid), api.DeleteResponse),
+            return_exceptions=True)
+        assert not isinstance(killed, BaseException), killed
+        if isinstance(deleted, TtrpcError):  # still running when Delete looked: refused
+            assert deleted.code == Code.FAILED_PRECONDITION, deleted
+            waited = await call(shim, "Wait", api.WaitRequest(id=cid), api.WaitResponse)
+            assert waited.exit_status == 137
+            gone = await both(shim, "Delete", api.DeleteRequest(id=cid), api.DeleteResponse)
+            assert codes(gone) == ["NOT_FOUND", "OK"], gone
+        else:  # the exit was in before Delete looked: it deleted the killed process
+            assert deleted.exit_status == 137, deleted
+        with pytest.raises(TtrpcError) as err:
+            await call(shim, "State", api.StateRequest(id=cid))
+        assert err.value.code == Code.NOT_FOUND
+        async with asyncio.timeout(30):
+            while cid not in shim["deleted"]:
+                await asyncio.sleep(0.05)
+        assert shim["deleted"].count(cid) == 1
