@@ -286,8 +286,9 @@ class QemuVM(VM):
                       key=lambda s: tuple(sorted(s["props"].items())))
         if count > len(free):
             raise CannotGrow(f"cannot add {count} vCPUs: only {len(free)} of "
-                                  f"{len(slots)} slots are free (maxcpus)")  # type: ignore[arg-type]
-        before = {c["thread-id"] for c in await self._execute("query-cpus-fast")}  # type: ignore[union-attr]
+                             f"{len(slots)} slots are free (maxcpus)")  # type: ignore[arg-type]
+        present = await self._execute("query-cpus-fast")
+        before = {c["thread-id"] for c in present}  # type: ignore[union-attr]
         try:
             for slot in free[:count]:
                 props = dict(slot["props"])

@@ -16,7 +16,7 @@ from .. import config, errors, guestspec
 from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..ttrpc import Code, TtrpcError
-from .planner import PodPlanner
+from .planner import PodPlanner, parse_linux_resources
 
 if TYPE_CHECKING:
     from ..agent import Agent
@@ -63,6 +63,19 @@ class Pod:
         self._allocator = None
         self._applying = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def for_sandbox_container(cls, namespace: str, sandbox_id: str, cfg: config.Config,
+                              spec: dict) -> Pod:
+        """The pod of a sandbox container (the Task API), planned from its OCI spec and
+        the pod cgroup kubelet made above its cgroupsPath."""
+        from ..hostcgroup import pod_cgroup_limits
+        from ..sandbox import host
+
+        cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
+        memory_mib, cpus = pod_cgroup_limits(cgroups_path)
+        planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
+        return cls(namespace, sandbox_id, cfg, planner, cgroups_path)
 
     def listen(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -147,12 +160,13 @@ class Pod:
     async def _kill_all(self, agent: Agent, grace: float) -> None:
         import signal
 
-        for container_id in sorted(self.placed):
+        containers = sorted(self.placed)  # it shrinks as their exits come in
+        for container_id in containers:
             try:
                 await agent.signal(container_id, "", signal.SIGKILL, True)
             except TtrpcError as exc:
                 log.debug("sandbox %s: kill %s: %s", self.id, container_id, exc.message)
-        waits = [asyncio.ensure_future(agent.wait(c, "")) for c in sorted(self.placed)]
+        waits = [asyncio.ensure_future(agent.wait(c, "")) for c in containers]
         _, pending = await asyncio.wait(waits, timeout=grace)
         for wait in waits:
             wait.cancel()
@@ -285,11 +299,16 @@ class Pod:
                 raise StaticRefusal(f"{refusal} (applied what fits in the VM: "
                                     f"{'; '.join(delta.notes)})")
 
-    async def update_container(self, container_id: str, resources: dict,
-                               wanted: ContainerResources) -> None:
-        """Task.Update: the host first (the guest gets room to grow), then the
-        container's own limits in the guest; the host goes back if the guest refuses.
-        A static refusal still applies the container's limits in the guest."""
+    async def update_container(self, container_id: str, linux_resources: bytes) -> None:
+        """Task.Update with OCI LinuxResources JSON: the host first (the guest gets room
+        to grow), then the container's own limits in the guest; the host goes back if
+        the guest refuses. A static refusal still applies the container's limits in the
+        guest."""
+        try:
+            resources, wanted = parse_linux_resources(linux_resources)
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"update of {container_id}: {exc}") from None
         before = self.planner.sandbox if container_id == self.id else \
             self.planner.containers.get(container_id, ContainerResources())
         refused = None

@@ -24,7 +24,24 @@ class PodSlot:
         self._listeners.append(listener)
 
     def take(self, pod: Pod) -> None:
-        """Hold `pod` (before it boots: its watchers tell the listeners)."""
+        """Hold `pod` (before it boots: its watchers tell the listeners) until it is
+        stopped; then the slot is free for a pod booted anew."""
         for listener in self._listeners:
             pod.listen(listener)
+        pod.listen(_Release(self, pod))
         self.pod = pod
+
+
+class _Release:
+    def __init__(self, slot: PodSlot, pod: Pod) -> None:
+        self._slot, self._pod = slot, pod
+
+    def vm_stopped(self) -> None:
+        if self._slot.pod is self._pod:
+            self._slot.pod = None
+
+    def vm_exited(self, error) -> None:
+        pass  # the pod stays: it answers with how its VM ended
+
+    def container_oom(self, container_id: str) -> None:
+        pass

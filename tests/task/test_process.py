@@ -292,11 +292,11 @@ async def test_wait_on_a_live_process_returns_when_it_exits(case: tuple[str, Sta
     waiter = asyncio.create_task(svc.Wait(api.WaitRequest(id=CID, exec_id=exec_id), CTX))
     await settle(waiter)
     assert not waiter.done()
-    now = svc.end_processes(137)
+    svc.vm_stopped()  # the pod's VM stopped under it: what ran there was killed
     await settle(waiter)
     assert waiter.done()
     resp = waiter.result()
-    assert (resp.exit_status, resp.exited_at.ToNanoseconds()) == (137, now)
+    assert resp.exit_status == 137 and resp.exited_at.ToNanoseconds() > 0
     state_now = await svc.State(api.StateRequest(id=CID, exec_id=exec_id), CTX)
     assert (state_now.status, state_now.exit_status) == (STATUS[STOPPED], 137)
     exits = [e for topic, e in events.published if topic == "/tasks/exit"

@@ -1,0 +1,74 @@
+"""How containerd hears about a pod's processes: events, published in order, and exits,
+from the guest when it reports them or assumed when the VM goes from under them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Iterable
+
+from ..events import Publisher
+from ..pb.containerd.events import task_pb2 as events
+from ..pod.slot import VM_GONE_STATUS, PodSlot
+from ..ttrpc import TtrpcError
+from .process import Container, Process, State
+
+log = logging.getLogger("podvm.task")
+
+
+class Reporter:
+    def __init__(self, publisher: Publisher | None, slot: PodSlot) -> None:
+        self._publisher = publisher
+        self._slot = slot
+        self._background: set[asyncio.Task] = set()
+
+    def publish(self, topic: str, event) -> None:
+        if self._publisher is not None:
+            self._publisher.publish(topic, event)
+
+    def watch(self, proc: Process, agent: Callable) -> None:
+        """A started process: report its exit when the guest does."""
+        task = asyncio.create_task(self._reap(proc, agent))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reap(self, proc: Process, agent: Callable) -> None:
+        """Wait for the guest process to exit, let its output drain, report the exit."""
+        try:
+            result = await agent().wait(proc.container_id, proc.exec_id)
+            status, at_ns = result.exit_status, result.exited_at.ToNanoseconds()
+        except TtrpcError as exc:
+            log.warning("%s: lost track of the process: %s", proc.name, exc)
+            status, at_ns = VM_GONE_STATUS, time.time_ns()
+        if proc.io is not None:
+            await proc.io.drained()
+        self.exited(proc, status, at_ns or time.time_ns())
+
+    def exited(self, proc: Process, status: int, at_ns: int) -> None:
+        """`proc` ended with `status`: containerd hears it once."""
+        if proc.state is State.STOPPED:
+            return
+        proc.set_exited(status, at_ns)
+        if not proc.exec_id and self._slot.pod is not None:
+            self._slot.pod.container_stopped(proc.container_id)
+        event = events.TaskExit(container_id=proc.container_id,
+                                id=proc.exec_id or proc.container_id, pid=proc.pid,
+                                exit_status=status)
+        event.exited_at.FromNanoseconds(at_ns)
+        self.publish("/tasks/exit", event)
+
+    def deleted(self, proc: Process, exited_at) -> None:
+        event = events.TaskDelete(container_id=proc.container_id, id=proc.container_id,
+                                  pid=proc.pid, exit_status=proc.exit_status)
+        event.exited_at.CopyFrom(exited_at)
+        self.publish("/tasks/delete", event)
+
+    def end(self, containers: Iterable[Container], status: int) -> int:
+        """The VM is gone from under these processes: each one still alive has exited
+        with `status`. The exit time (ns)."""
+        now = time.time_ns()
+        for container in list(containers):
+            for proc in (container.init, *container.execs.values()):
+                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
+                    self.exited(proc, status, now)
+        return now
