@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import os
 import signal
@@ -10,13 +11,12 @@ import socket
 import sys
 import time
 
-from . import cleanup, errors, log as shimlog, manager, paths
+from . import errors, log as shimlog, paths
 from .events import Publisher
 from .flags import Flags
-from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2
 from .pb.containerd.task.v2 import shim_pb2
 from .task.service import TaskService
-from .ttrpc import Server, bind
+from .ttrpc import Server, Service, bind
 
 log = logging.getLogger("podvm.shim")
 
@@ -25,14 +25,17 @@ TASK_SERVICES = ("containerd.task.v2.Task", "containerd.task.v3.Task")
 SANDBOX_SERVICE = "containerd.runtime.sandbox.v1.Sandbox"
 
 
-def serve(flags: Flags) -> int:
+def serve(flags: Flags, sock: socket.socket | None = None) -> int:
+    """Serve on `sock` (`start` forks the daemon with the socket it bound), else on fd 3."""
     _open_log_fifo(os.path.join(flags.bundle_dir, "log"))
     shimlog.setup(flags.debug, id=flags.id, namespace=flags.namespace)
-    try:
-        sock = socket.socket(fileno=SOCKET_FD)
-    except OSError:
-        log.error("no listening socket on fd %d: the daemon is started by `start`", SOCKET_FD)
-        return 1
+    if sock is None:
+        try:
+            sock = socket.socket(fileno=SOCKET_FD)
+        except OSError:
+            log.error("no listening socket on fd %d: the daemon is started by `start`",
+                      SOCKET_FD)
+            return 1
     try:
         asyncio.run(_serve(flags, sock))
     except Exception:
@@ -48,13 +51,20 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
         loop.add_signal_handler(signum, stop.set)
     publisher = Publisher(flags.namespace, os.environ.get("TTRPC_ADDRESS", ""),
                           flags.publish_binary, flags.address)
-    tasks = TaskService(flags.namespace, publisher, shutdown=lambda: loop.call_soon(stop.set))
-    sandboxes = _OnFirstCall(lambda: _sandbox_service(tasks, lambda: loop.call_soon(stop.set)))
+
+    def shutdown() -> None:
+        loop.call_soon(stop.set)
+
+    tasks = TaskService(flags.namespace, publisher, shutdown=shutdown)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
-    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES] + [
-        bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], sandboxes)],
-        answer=errors.to_ttrpc)
+    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES],
+                    answer=errors.to_ttrpc)
+    server.register_deferred(SANDBOX_SERVICE, lambda: _sandbox_service(tasks, shutdown))
     await server.start(sock)
+    # Serving: collect garbage again (`cli` stops it while the daemon starts), leaving out
+    # what starting made, which lives as long as the daemon.
+    gc.freeze()
+    gc.enable()
     log.info("serving %s and %s on %s (pid %d)", "/".join(TASK_SERVICES), SANDBOX_SERVICE,
              flags.socket, os.getpid())
     started = time.monotonic()
@@ -63,6 +73,8 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     await server.close()
     await tasks.close()
     await publisher.close()
+    from . import cleanup, manager  # on the way out only: kept off the start path
+
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
     owner = (manager.read_state(flags.namespace, group) or {}).get("pid")
     if owner not in (None, os.getpid()):
@@ -73,27 +85,15 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     cleanup.remove_shim_state(flags.namespace, group, flags.socket)
 
 
-class _OnFirstCall:
-    """Handlers made at the first call: most pods never use the Sandbox API, and an idle
-    daemon should not carry its code (memory per pod)."""
-
-    def __init__(self, factory) -> None:
-        self._factory = factory
-        self._impl = None
-
-    def __getattr__(self, rpc: str):
-        async def handler(request, ctx):
-            if self._impl is None:
-                self._impl = self._factory()
-            return await getattr(self._impl, rpc)(request, ctx)
-
-        return handler
-
-
-def _sandbox_service(tasks: TaskService, shutdown):
+def _sandbox_service(tasks: TaskService, shutdown) -> Service:
+    """The Sandbox API, made at its first call: only containerd 2.x with `sandboxer =
+    "shim"` calls it, and its code and messages would grow every idle daemon."""
+    # Both here, at the first Sandbox call: off the start path, out of an idle daemon.
+    from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2
     from .sandboxapi import SandboxService
 
-    return SandboxService(tasks.slot, tasks.namespace, shutdown)
+    impl = SandboxService(tasks.slot, tasks.namespace, shutdown)
+    return bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], impl)
 
 
 def _open_log_fifo(path: str) -> None:

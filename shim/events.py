@@ -14,7 +14,6 @@ import time
 from google.protobuf.any_pb2 import Any
 from google.protobuf.message import Message
 
-from .pb.containerd.services.events.ttrpc.v1.events_pb2 import Envelope, ForwardRequest
 from .ttrpc import Client, ConnectionClosed, TtrpcError
 
 log = logging.getLogger("podvm.events")
@@ -67,6 +66,9 @@ class Publisher:
                 log.exception("event %s lost", topic)
 
     async def _send(self, topic: str, event: Any, ts: int) -> None:
+        # At the first event, not before: keeps the daemon's start path short.
+        from .pb.containerd.services.events.ttrpc.v1.events_pb2 import Envelope, ForwardRequest
+
         envelope = Envelope(namespace=self._namespace, topic=topic, event=event)
         envelope.timestamp.FromNanoseconds(ts)
         request = ForwardRequest(envelope=envelope)

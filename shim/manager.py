@@ -74,17 +74,26 @@ def _accepts(path: str) -> bool:
 
 
 def _spawn_daemon(flags: Flags, address: str, sock: socket.socket) -> int:
-    """The daemon: own session and process group, not holding containerd's pipes,
-    the listening socket as fd 3."""
-    argv = [sys.executable, os.path.abspath(sys.argv[0]), *flags.daemon_argv(address)]
-    devnull = os.open(os.devnull, os.O_RDWR)
+    """The daemon: a fork of this process, so that it starts with the interpreter and
+    what `start` imported already loaded (containerd connects as soon as `start` returns:
+    a fresh interpreter would answer tens of ms later). Own session and process group,
+    not holding containerd's pipes (stdio is /dev/null until it opens the log FIFO)."""
+    daemon_flags = flags._replace(bundle=flags.bundle_dir, socket=address, action="serve")
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
     try:
-        actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
-                   (os.POSIX_SPAWN_DUP2, devnull, 2), (os.POSIX_SPAWN_DUP2, sock.fileno(), 3)]
-        return os.posix_spawn(sys.executable, argv, os.environ, file_actions=actions,
-                              setsid=True)
-    finally:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
         os.close(devnull)
+        from .cli import run_daemon  # loaded already (it runs `start`); here: no import cycle
+
+        code = run_daemon(daemon_flags, sock)
+    finally:
+        os._exit(code)  # never back into `start`: its caller's cleanup is not ours
 
 
 def _write_address(bundle: str, address: str) -> None:

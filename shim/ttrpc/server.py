@@ -21,6 +21,13 @@ from .service import Context, Service
 
 log = logging.getLogger("podvm.ttrpc")
 
+# How loudly a handler's error reply is logged, by its code. NOT_FOUND is an expected
+# outcome: containerd keeps asking for tasks it has deleted (State, Wait, Delete, Kill of
+# a gone id) and relies on the answer, so it is debug only. UNKNOWN and INTERNAL say the
+# shim itself went wrong. Every other code is a request refused for a reason worth a line.
+_LOG_LEVEL = {Code.NOT_FOUND: logging.DEBUG, Code.UNKNOWN: logging.WARNING,
+              Code.INTERNAL: logging.WARNING, Code.DATA_LOSS: logging.WARNING}
+
 
 class Server:
     def __init__(self, services: Iterable[Service] = (),
@@ -28,6 +35,7 @@ class Server:
         """`answer`: the reply to a handler's own typed error (code UNKNOWN for a bug);
         without it every error that is not a TtrpcError is UNKNOWN."""
         self._services: dict[str, Service] = {}
+        self._deferred: dict[str, Callable[[], Service]] = {}
         self._answer = answer or (lambda exc: TtrpcError(Code.UNKNOWN, str(exc)))
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
@@ -36,6 +44,19 @@ class Server:
 
     def register(self, service: Service) -> None:
         self._services[service.name] = service
+
+    def register_deferred(self, name: str, make: Callable[[], Service]) -> None:
+        """Serve `name` with the Service that `make()` returns, made at the first call for
+        it: what few peers call need not be loaded by every server that starts."""
+        self._deferred[name] = make
+
+    def _service(self, name: str) -> Service | None:
+        service = self._services.get(name)
+        if service is None and name in self._deferred:
+            service = self._deferred[name]()  # a failure here is answered like a handler's
+            del self._deferred[name]
+            self._services[name] = service
+        return service
 
     async def start(self, sock: socket.socket) -> None:
         """Serve on an already bound, listening unix socket (the shim's is made by `start`)."""
@@ -65,7 +86,7 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
-        conn = _Connection(self._services, reader, writer, self._answer)
+        conn = _Connection(self._service, reader, writer, self._answer)
         try:
             await conn.run()
         except asyncio.CancelledError:
@@ -76,10 +97,10 @@ class Server:
 
 
 class _Connection:
-    def __init__(self, services: dict[str, Service], reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter,
+    def __init__(self, lookup: Callable[[str], Service | None],
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  answer: Callable[[Exception], TtrpcError]) -> None:
-        self._services = services
+        self._lookup = lookup
         self._answer = answer
         self._reader = reader
         self._writer = writer
@@ -157,7 +178,7 @@ class _Connection:
             request = Request.FromString(data)
         except DecodeError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"unmarshal request error: {exc}") from None
-        service = self._services.get(request.service)
+        service = self._lookup(request.service)
         if service is None:
             raise TtrpcError(Code.UNIMPLEMENTED, f"service {request.service}")
         method = service.methods.get(request.method)
@@ -173,15 +194,21 @@ class _Connection:
         ctx = Context(request.service, request.method,
                       tuple((kv.key, kv.value) for kv in request.metadata), timeout)
         try:
-            async with asyncio.timeout(timeout):
+            if timeout is None:  # most calls: no deadline to arm
                 reply = await method.handler(message, ctx)
-        except TimeoutError:
-            raise TtrpcError(Code.DEADLINE_EXCEEDED,
-                             f"{request.service}/{request.method} did not finish within "
-                             f"{timeout:.3f}s") from None
+            else:
+                try:
+                    async with asyncio.timeout(timeout):
+                        reply = await method.handler(message, ctx)
+                except TimeoutError:
+                    raise TtrpcError(Code.DEADLINE_EXCEEDED,
+                                     f"{request.service}/{request.method} did not finish "
+                                     f"within {timeout:.3f}s") from None
         except TtrpcError as err:
-            log.info("%s/%s answered %s: %s", request.service, request.method,
-                     err.code.name, err.message)
+            level = _LOG_LEVEL.get(err.code, logging.INFO)
+            if log.isEnabledFor(level):
+                log.log(level, "%s/%s answered %s: %s", request.service, request.method,
+                        err.code.name, err.message)
             raise
         return reply.SerializeToString()
 

@@ -57,6 +57,16 @@ def test_start_prints_only_the_address_and_detaches(started) -> None:
     assert fds == {"/dev/null"}
 
 
+def test_daemon_holds_nothing_of_start_but_its_socket(started) -> None:
+    """`start` forks the daemon: containerd reads `start`'s output until every copy of its
+    pipes is closed, so the daemon must hold none of them (nor anything else of `start`)."""
+    pid = daemon_pid(NS, "sb1")
+    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    assert not [link for link in links if link.startswith("pipe:")], links
+    assert all(link == "/dev/null" or link.startswith(("socket:", "anon_inode:"))
+               for link in links), links
+
+
 def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -> None:
     _, address = started
     pid = daemon_pid(NS, "sb1")
@@ -203,6 +213,45 @@ def test_daemon_logs_structured_lines_to_the_log_fifo(tmp_path, grpc_address) ->
         line = data.decode().splitlines()[0]
         assert re.match(r'time="[^"]+Z" level=info msg=', line), line
         assert "id=sb1" in line and f"namespace={NS}" in line
+    finally:
+        run_shim(bundle, "sb1", "delete", grpc_address)
+        os.close(reader)
+
+
+def _read_lines(fd: int, until: bytes = b"\n", timeout: float = 10) -> bytes:
+    data = b""
+    deadline = time.monotonic() + timeout
+    while until not in data and time.monotonic() < deadline:
+        try:
+            data += os.read(fd, 65536)
+        except BlockingIOError:
+            time.sleep(0.02)
+    return data
+
+
+async def test_expected_errors_leave_no_line_in_the_log(tmp_path, grpc_address) -> None:
+    """containerd asks for tasks it has deleted (NOT_FOUND is the expected answer):
+    that must not fill its log; a request refused for another reason still shows."""
+    bundle = make_bundle(tmp_path, "sb1", sandbox_id="sb1", log_fifo=True)
+    reader = os.open(bundle / "log", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        result = run_shim(bundle, "sb1", "start", grpc_address)
+        assert result.returncode == 0
+        assert b"serving" in _read_lines(reader)
+        async with await Client.connect(result.stdout.decode()) as c:
+            for i in range(50):
+                for method, request in [("State", api.StateRequest(id=f"gone{i}")),
+                                        ("Delete", api.DeleteRequest(id=f"gone{i}"))]:
+                    with pytest.raises(TtrpcError) as err:
+                        await c.call(TASK, method, request, api.StateResponse)
+                    assert err.value.code == Code.NOT_FOUND
+            with pytest.raises(TtrpcError) as err:
+                await c.call(TASK, "Create", api.CreateTaskRequest(id="x", bundle="/none"),
+                             api.CreateTaskResponse)
+            assert err.value.code == Code.INVALID_ARGUMENT
+        log = _read_lines(reader, until=b"INVALID_ARGUMENT").decode()
+        assert "INVALID_ARGUMENT" in log and "/none" in log
+        assert "NOT_FOUND" not in log and "gone" not in log, log
     finally:
         run_shim(bundle, "sb1", "delete", grpc_address)
         os.close(reader)

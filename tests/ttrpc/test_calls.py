@@ -146,3 +146,118 @@ async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None
     finally:
         await c.close()
         await srv.close()
+
+
+@pytest.fixture
+def ttrpc_log():
+    """What the server logs, at every level (the daemon's handler may not propagate)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("podvm.ttrpc")
+    handler, level = Keep(logging.DEBUG), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+async def test_error_replies_are_logged_by_what_they_mean(socket_path: str, ttrpc_log) -> None:
+    """NOT_FOUND is what containerd gets for every id it polls after deleting it: debug
+    only. A request refused for another reason is worth a line; INTERNAL is the shim's
+    own fault; a handler that crashes is logged with its traceback."""
+    import logging
+
+    answers = {"gone": Code.NOT_FOUND, "bad": Code.FAILED_PRECONDITION,
+               "broken": Code.INTERNAL}
+
+    class Refusing:
+        async def State(self, req: task.StateRequest, ctx) -> task.StateResponse:
+            if req.id == "crash":
+                raise RuntimeError("handler bug")
+            raise TtrpcError(answers[req.id], f"{req.id} it is")
+
+    srv = Server([bind(task.DESCRIPTOR.services_by_name["Task"], Refusing())])
+    await srv.start_path(socket_path)
+    try:
+        async with await Client.connect(socket_path) as c:
+            for name in (*answers, "crash"):
+                with pytest.raises(TtrpcError):
+                    await c.call(SERVICE, "State", task.StateRequest(id=name),
+                                 task.StateResponse)
+    finally:
+        await srv.close()
+    by_code = {r.args[2]: r.levelno for r in ttrpc_log if r.exc_info is None}
+    assert by_code == {"NOT_FOUND": logging.DEBUG, "FAILED_PRECONDITION": logging.INFO,
+                       "INTERNAL": logging.WARNING}
+    assert [r.levelno for r in ttrpc_log if r.exc_info] == [logging.ERROR]
+
+
+async def test_not_found_costs_no_log_line_at_info(client: Client, ttrpc_log) -> None:
+    import logging
+
+    logging.getLogger("podvm.ttrpc").setLevel(logging.INFO)
+    for _ in range(20):
+        with pytest.raises(TtrpcError) as err:
+            await client.call(SERVICE, "Kill", task.KillRequest(id="gone"), task.StateResponse)
+        assert err.value.code == Code.NOT_FOUND
+    assert ttrpc_log == []
+
+
+async def test_a_handlers_own_timeout_without_a_deadline_is_its_failure(socket_path) -> None:
+    class TimingOut:
+        async def State(self, req: task.StateRequest, ctx) -> task.StateResponse:
+            raise TimeoutError("the guest did not answer")
+
+    srv = Server([bind(task.DESCRIPTOR.services_by_name["Task"], TimingOut())])
+    await srv.start_path(socket_path)
+    try:
+        async with await Client.connect(socket_path) as c:
+            with pytest.raises(TtrpcError) as err:
+                await c.call(SERVICE, "State", task.StateRequest(id="x"), task.StateResponse)
+            assert err.value.code == Code.UNKNOWN
+            assert "TimeoutError: the guest did not answer" in err.value.message
+            with pytest.raises(TtrpcError) as err:  # with a deadline: the deadline's code
+                await c.call(SERVICE, "State", task.StateRequest(id="x"), task.StateResponse,
+                             timeout=5)
+            assert err.value.code == Code.DEADLINE_EXCEEDED
+    finally:
+        await srv.close()
+
+
+async def test_a_deferred_service_is_made_at_its_first_call_only(socket_path: str) -> None:
+    from .conftest import EchoTask
+
+    made: list[str] = []
+
+    def make():
+        made.append("made")
+        if len(made) == 1:
+            raise ImportError("not today")
+        return bind(task.DESCRIPTOR.services_by_name["Task"], EchoTask(), name="later.Task")
+
+    srv = Server()
+    srv.register_deferred("later.Task", make)
+    await srv.start_path(socket_path)
+    try:
+        async with await Client.connect(socket_path) as c:
+            with pytest.raises(TtrpcError) as err:
+                await c.call("other.Task", "State", task.StateRequest(), task.StateResponse)
+            assert err.value.code == Code.UNIMPLEMENTED and made == []
+            with pytest.raises(TtrpcError) as err:  # a failure to make it is answered
+                await c.call("later.Task", "State", task.StateRequest(id="a"),
+                             task.StateResponse)
+            assert err.value.code == Code.UNKNOWN and "not today" in err.value.message
+            for id_ in ("b", "c"):
+                resp = await c.call("later.Task", "State", task.StateRequest(id=id_),
+                                    task.StateResponse)
+                assert resp.id == id_
+            assert made == ["made", "made"]
+    finally:
+        await srv.close()
