@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()
     if flags.action == "start":
         from .manager import start
-        code = start(flags)
+        code = start(flags, run_daemon)
         # containerd waits for `start` to exit while the daemon it forked starts on the
         # same CPUs: leave without tearing the interpreter down (about 5 ms); nothing but
         # stdio is left to flush.

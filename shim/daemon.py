@@ -73,10 +73,10 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     await server.close()
     await tasks.close()
     await publisher.close()
-    from . import cleanup, manager  # on the way out only: kept off the start path
+    from . import cleanup, shimstate  # on the way out only: kept off the start path
 
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
-    owner = (manager.read_state(flags.namespace, group) or {}).get("pid")
+    owner = (shimstate.read(flags.namespace, group) or {}).get("pid")
     if owner not in (None, os.getpid()):
         # A new daemon for the same id (started after this one was given up for dead)
         # owns the socket and the state directory now.

@@ -6,20 +6,20 @@ imports the standard library's light parts; the daemon loads the rest after it d
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import socket
 import sys
 import time
+from typing import Callable
 
-from . import paths
+from . import paths, shimstate
 from .flags import Flags
 
-SHIM_STATE = "shim.json"
 
-
-def start(flags: Flags) -> int:
+def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
+    """`serve(flags, sock)`: what the forked daemon runs (the CLI passes it in, so that
+    this module never imports the daemon's side)."""
     bundle = flags.bundle_dir
     group = paths.group_id(paths.read_spec(bundle), flags.id)
     address = paths.socket_address(flags.address, flags.namespace, group)
@@ -29,13 +29,13 @@ def start(flags: Flags) -> int:
         sys.stdout.write(address)
         return 0
     try:
-        pid = _spawn_daemon(flags, address, sock)
+        pid = _spawn_daemon(flags, address, sock, serve)
     except BaseException:
         sock.close()
         os.unlink(paths.socket_path(address))
         raise
     sock.close()
-    _write_state(flags.namespace, group, {"pid": pid, "address": address, "bundle": bundle,
+    shimstate.write(flags.namespace, group, {"pid": pid, "address": address, "bundle": bundle,
                                           "id": flags.id})
     _write_address(bundle, address)
     sys.stdout.write(address)
@@ -73,7 +73,8 @@ def _accepts(path: str) -> bool:
         probe.close()
 
 
-def _spawn_daemon(flags: Flags, address: str, sock: socket.socket) -> int:
+def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
+                  serve: Callable[[Flags, socket.socket], int]) -> int:
     """The daemon: a fork of this process, so that it starts with the interpreter and
     what `start` imported already loaded (containerd connects as soon as `start` returns:
     a fresh interpreter would answer tens of ms later). Own session and process group,
@@ -89,36 +90,13 @@ def _spawn_daemon(flags: Flags, address: str, sock: socket.socket) -> int:
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         os.close(devnull)
-        from .cli import run_daemon  # loaded already (it runs `start`); here: no import cycle
-
-        code = run_daemon(daemon_flags, sock)
+        code = serve(daemon_flags, sock)
     finally:
         os._exit(code)  # never back into `start`: its caller's cleanup is not ours
 
 
 def _write_address(bundle: str, address: str) -> None:
-    _write_atomic(os.path.join(bundle, "address"), address.encode())
-
-
-def _write_state(namespace: str, group: str, state: dict) -> None:
-    directory = paths.state_dir(namespace, group)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    _write_atomic(os.path.join(directory, SHIM_STATE), json.dumps(state).encode())
-
-
-def read_state(namespace: str, group: str) -> dict | None:
-    try:
-        with open(os.path.join(paths.state_dir(namespace, group), SHIM_STATE), "rb") as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    shimstate.write_atomic(os.path.join(bundle, "address"), address.encode())
 
 
 def delete(flags: Flags) -> int:

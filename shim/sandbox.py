@@ -22,6 +22,7 @@ from .hostcgroup import HostCgroup, destroy_from_state, layout_for
 from .cpus import pinning
 from .hypervisor import VM, HypervisorError, ThreadRole, VMSpec
 from .mounts import Mount
+from .processes import kill_and_wait
 from .resources import Host, PlanDelta, SandboxPlan
 
 log = logging.getLogger("podvm.sandbox")
@@ -277,8 +278,6 @@ def cleanup_from_state(state_dir: str) -> None:
             state = json.load(f)
     except (FileNotFoundError, ValueError):
         state = {}
-    from .cleanup import kill_and_wait
-
     for pid in qemus_of(state_dir):
         log.info("killing QEMU %d of sandbox %s", pid, state.get("sandbox_id"))
         kill_and_wait(pid)

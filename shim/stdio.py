@@ -5,15 +5,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .ttrpc import TtrpcError
 
 if TYPE_CHECKING:
-    from .agent import Agent
     from .pb.agent.agent_pb2 import Stdio as StdioMessage
+
+
+class Streams(Protocol):
+    """The guest agent's stream calls (shim/agent.py's Agent), all a copy needs."""
+
+    async def read(self, stream: str, container_id: str, exec_id: str,
+                   max_bytes: int = ...) -> bytes: ...
+
+    async def write_stdin(self, container_id: str, exec_id: str, data: bytes) -> int: ...
+
+    async def close_stdin(self, container_id: str, exec_id: str) -> None: ...
 
 log = logging.getLogger("podvm.stdio")
 
@@ -117,7 +126,7 @@ class FifoReader:
 
 
 class ProcessIO:
-    def __init__(self, agent: Agent, container_id: str, exec_id: str, stdin: str,
+    def __init__(self, agent: Streams, container_id: str, exec_id: str, stdin: str,
                  stdout: str, stderr: str, terminal: bool) -> None:
         self._agent = agent
         self._ids = (container_id, exec_id)
