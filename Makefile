@@ -87,7 +87,11 @@ test: guest
 # Our machines are shared and noisy: the suite must pass with one core taken by
 # someone else. The hog runs at normal priority on the first CPU and ends with the run.
 test-busy: guest
-	@hog_cpu=$$(cut -d, -f1 /sys/fs/cgroup/cpuset/cpuset.cpus 2>/dev/null | cut -d- -f1); 	taskset -c $${hog_cpu:-0} $(PYTHON) -c 'while True: pass' & hog=$$!; 	trap "kill $$hog" EXIT; 	echo "CPU hog (pid $$hog) on CPU $${hog_cpu:-0} for the whole run"; 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	@hog_cpu=$$(cut -d, -f1 /sys/fs/cgroup/cpuset/cpuset.cpus 2>/dev/null | cut -d- -f1); \
+	taskset -c $${hog_cpu:-0} $(PYTHON) -c 'while True: pass' & hog=$$!; \
+	trap "kill $$hog" EXIT; \
+	echo "CPU hog (pid $$hog) on CPU $${hog_cpu:-0} for the whole run"; \
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py

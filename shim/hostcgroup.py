@@ -230,9 +230,9 @@ def pod_cgroup_limits(cgroups_path: str) -> tuple[int, float]:
             if "cpu" in h.controllers:
                 quota = _read(os.path.join(h.directory(pod), "cpu.cfs_quota_us"))
                 period = _read(os.path.join(h.directory(pod), "cpu.cfs_period_us"))
-    # Rounded up, as the model rounds the workload's bytes up: a pod cgroup of exactly a
-    # decimal limit (100M) plus the declared overhead must admit the pod it was made for.
-    memory_mib = -(-int(memory) // (1 << 20)) if memory.isdigit() and \
+    from .pod.planner import pod_cgroup_memory_mib  # the one rounding rule (up)
+
+    memory_mib = pod_cgroup_memory_mib(int(memory), 0) if memory.isdigit() and \
         int(memory) < UNLIMITED_V1 else 0
     cpus = int(quota) / int(period) if quota.isdigit() and period.isdigit() and \
         int(period) > 0 else 0.0

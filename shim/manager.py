@@ -35,8 +35,8 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
         os.unlink(paths.socket_path(address))
         raise
     sock.close()
-    shimstate.write(flags.namespace, group, {"pid": pid, "address": address, "bundle": bundle,
-                                          "id": flags.id})
+    shimstate.write(flags.namespace, group,
+                    {"pid": pid, "address": address, "bundle": bundle, "id": flags.id})
     _write_address(bundle, address)
     sys.stdout.write(address)
     return 0

@@ -134,9 +134,6 @@ class QemuVM(VM):
         except TimeoutError:
             await self.stop(timeout=0)
             raise BootTimeout(self._boot_timeout_message()) from None
-        except HypervisorError:
-            await self.stop(timeout=0)
-            raise
         except VANISHED as exc:
             # QEMU died under the QMP handshake (an abort at start reads as EOF there):
             # its exit, not the broken socket, is what the user needs to hear about.

@@ -63,12 +63,11 @@ class Reporter:
         event.exited_at.CopyFrom(exited_at)
         self.publish("/tasks/delete", event)
 
-    def end(self, containers: Iterable[Container], status: int) -> int:
+    def end(self, containers: Iterable[Container], status: int) -> None:
         """The VM is gone from under these processes: each one still alive has exited
-        with `status`. The exit time (ns)."""
+        with `status`."""
         now = time.time_ns()
         for container in list(containers):
             for proc in (container.init, *container.execs.values()):
                 if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
                     self.exited(proc, status, now)
-        return now

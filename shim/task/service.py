@@ -61,7 +61,6 @@ class TaskService:
         return self._pod().agent
 
     # what the pod tells
-
     def vm_exited(self, error: HypervisorError) -> None:
         self.report.end(self.containers.values(), VM_GONE_STATUS)
 
@@ -70,7 +69,6 @@ class TaskService:
 
     def container_oom(self, container_id: str) -> None:
         self.report.publish("/tasks/oom", events.TaskOOM(container_id=container_id))
-
 
     async def Connect(self, req: api.ConnectRequest, ctx: Context) -> api.ConnectResponse:
         container = self.containers.get(req.id)
