@@ -25,7 +25,7 @@ help:
 	@echo "make install    install podvm for the system's containerd"
 	@echo "make uninstall  remove what make install put in place (keeps $(CONFDIR))"
 	@echo "make bench      print the benchmarks' figures"
-	@echo "make gen        regenerate the protobuf modules (shim/pb)"
+	@echo "make gen        regenerate the protobuf modules (podvm_core/pb)"
 	@echo "make guest      build the guest image (kernel + initramfs) into $(GUEST_BUILD)"
 
 deps:
@@ -104,4 +104,4 @@ demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info shim/pb .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info podvm_core/pb .pytest_cache .hypothesis

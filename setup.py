@@ -21,7 +21,7 @@ class BuildWithProtos(build_py):
 
 def _generated_packages() -> list[str]:
     return [".".join(p.parent.relative_to(ROOT).parts)
-            for p in (ROOT / "shim" / "pb").rglob("__init__.py")]
+            for p in (ROOT / "podvm_core" / "pb").rglob("__init__.py")]
 
 
 setup(cmdclass={"build_py": BuildWithProtos})

@@ -17,7 +17,7 @@ import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from shim.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from tests.e2e.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
                                 workload_bundle)
 from tests.e2e.test_host_cgroup import charged, sandbox_state  # noqa: E402

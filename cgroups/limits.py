@@ -4,19 +4,21 @@ chose. Pure: no I/O."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from podvm_core.cpulist import CpuListError, format_cpu_list, parse_cpu_list
+from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
+
 from .errors import InvalidLimits
+
+__all__ = ["format_cpu_list", "parse_cpu_list"]  # cgroup files use the kernel's syntax
 
 MIN_SHARES, MAX_SHARES = 2, 262144
 DEFAULT_SHARES = 1024
 MIN_QUOTA_US = 1000
 MIN_PERIOD_US, MAX_PERIOD_US = 1000, 1_000_000
-DEFAULT_PERIOD_US = 100_000
-MAX_CPU_INDEX = 8191
-_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+DEFAULT_PERIOD_US = DEFAULT_CFS_PERIOD_US
 
 
 def shares_to_weight(shares: int) -> int:
@@ -30,38 +32,6 @@ def shares_to_weight(shares: int) -> int:
 def or_max(value: int | None) -> str:
     """How cgroup files spell "no limit" (pids.max, memory.max, cpu.max's quota)."""
     return "max" if value is None else str(value)
-
-
-def parse_cpu_list(text: str, what: str = "cpu list") -> frozenset[int]:
-    """The kernel's list syntax (`0-3,8,10-11`); empty means none."""
-    text = text.strip()
-    if not text:
-        return frozenset()
-    items: set[int] = set()
-    for part in text.split(","):
-        match = _RANGE.fullmatch(part)
-        if match is None:
-            raise InvalidLimits(f"{what} {text!r}: {part!r} is not N or N-M")
-        lo = int(match.group(1))
-        hi = int(match.group(2)) if match.group(2) is not None else lo
-        if lo > hi or hi > MAX_CPU_INDEX:
-            raise InvalidLimits(f"{what} {text!r}: bad range {part!r}")
-        items.update(range(lo, hi + 1))
-    return frozenset(items)
-
-
-def format_cpu_list(items: Iterable[int]) -> str:
-    """Canonical form, as the kernel prints it back."""
-    ordered = sorted(set(items))
-    runs: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(runs)
 
 
 @dataclass(frozen=True)
@@ -162,10 +132,14 @@ class CgroupLimits:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not isinstance(value, str) or not parse_cpu_list(value, name):
+            try:
+                cpus = parse_cpu_list(value, name) if isinstance(value, str) else None
+            except CpuListError as exc:
+                raise InvalidLimits(str(exc)) from None
+            if not cpus:
                 raise InvalidLimits(f"{name} {value!r}: a non-empty list like '0-3,8' (None "
                                     f"for the parent's)")
-            object.__setattr__(self, name, format_cpu_list(parse_cpu_list(value, name)))
+            object.__setattr__(self, name, format_cpu_list(cpus))
         if self.devices is not None:
             if not all(isinstance(rule, DeviceRule) for rule in self.devices):
                 raise InvalidLimits("devices must be DeviceRule values")

@@ -82,8 +82,8 @@ KEEP_ENCODINGS = {"__init__", "aliases", "utf_8", "utf_8_sig", "latin_1", "ascii
                   "raw_unicode_escape", "unicode_escape", "utf_16", "utf_32", "punycode"}
 AGENT_DIR = "/opt/podvm"
 INIT = pathlib.Path(__file__).resolve().parent / "init"
-AGENT_SOURCES = [("guest/agent", "podvm_agent"), ("shim/__init__.py", "shim/__init__.py"),
-                 ("shim/ttrpc", "shim/ttrpc"), ("shim/pb", "shim/pb")]
+# The agent and the one package host and guest share; nothing of the shim goes in.
+AGENT_SOURCES = [("guest/agent", "podvm_agent"), ("podvm_core", "podvm_core")]
 
 
 def run(*cmd: str, cwd: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """Turn every .proto under protos/ into Python modules under the repository root.
 
-The import path of a .proto file is its Python module path (protos/shim/pb/x.proto
-becomes shim/pb/x_pb2.py), so no generated import is ever rewritten. Run by the
+The import path of a .proto file is its Python module path (protos/podvm_core/pb/x.proto
+becomes podvm_core/pb/x_pb2.py), so no generated import is ever rewritten. Run by the
 build (setup.py) and by `make gen`; the output is never edited by hand.
 """
 from __future__ import annotations

@@ -7,14 +7,15 @@ from typing import TYPE_CHECKING, TypeVar
 from google.protobuf.empty_pb2 import Empty
 from google.protobuf.message import Message
 
-from .pb.agent import agent_pb2 as pb
+from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.protocol import AGENT_SERVICE
+from podvm_core.ttrpc import Client, Code, ConnectionClosed, TtrpcError
+
 from .stdio import Stdio
-from .ttrpc import Client, Code, ConnectionClosed, TtrpcError
 
 if TYPE_CHECKING:
     from .hypervisor import VM
 
-SERVICE = "podvm.agent.v1.Agent"
 R = TypeVar("R", bound=Message)
 
 
@@ -34,7 +35,7 @@ class Agent:
     async def _call(self, method: str, request: Message, response: type[R],
                     timeout: float | None = None) -> R:
         try:
-            return await self._client.call(SERVICE, method, request, response, timeout=timeout)
+            return await self._client.call(AGENT_SERVICE, method, request, response, timeout=timeout)
         except ConnectionClosed as exc:
             raise TtrpcError(Code.UNAVAILABLE, f"the guest agent of sandbox {self._sandbox_id} "
                                                f"is gone ({exc}): did the VM die?") from None

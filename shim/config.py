@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from podvm_core.cpulist import parse_cpu_list
+
 DEFAULT_PATH = "/etc/podvm/configuration.toml"
 ENV_PATH = "PODVM_CONFIG"
 
@@ -178,8 +180,6 @@ def _check(config: Config, source: str) -> None:
     for key in ("reserved_cpus", "overhead_cpus"):
         value = getattr(config.runtime, key)
         if value:
-            from cgroups.limits import parse_cpu_list
-
             try:
                 parse_cpu_list(value)
             except ValueError as exc:

@@ -11,12 +11,13 @@ import socket
 import sys
 import time
 
+from podvm_core.pb.containerd.task.v2 import shim_pb2
+from podvm_core.ttrpc import Server, Service, bind
+
 from . import errors, log as shimlog, paths
 from .events import Publisher
 from .flags import Flags
-from .pb.containerd.task.v2 import shim_pb2
 from .task.service import TaskService
-from .ttrpc import Server, Service, bind
 
 log = logging.getLogger("podvm.shim")
 
@@ -89,7 +90,7 @@ def _sandbox_service(tasks: TaskService, shutdown) -> Service:
     """The Sandbox API, made at its first call: only containerd 2.x with `sandboxer =
     "shim"` calls it, and its code and messages would grow every idle daemon."""
     # Both here, at the first Sandbox call: off the start path, out of an idle daemon.
-    from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2
+    from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2
     from .sandboxapi import SandboxService
 
     impl = SandboxService(tasks.slot, tasks.namespace, shutdown)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code, TtrpcError
 
 # Most specific first: the first class an error is an instance of gives its code.
 TABLE: tuple[tuple[str, str, Code], ...] = (
@@ -24,6 +24,7 @@ TABLE: tuple[tuple[str, str, Code], ...] = (
     ("shim.resources.model", "PlanError", Code.INVALID_ARGUMENT),
     ("shim.cpus.allocator", "AllocatorError", Code.RESOURCE_EXHAUSTED),
     ("cgroups.errors", "InvalidLimits", Code.INVALID_ARGUMENT),
+    ("podvm_core.cpulist", "CpuListError", Code.INVALID_ARGUMENT),
     ("cgroups.errors", "CgroupPathError", Code.INVALID_ARGUMENT),
     ("cgroups.errors", "CgroupError", Code.FAILED_PRECONDITION),
     ("shim.config", "ConfigError", Code.INVALID_ARGUMENT),

@@ -14,7 +14,7 @@ import time
 from google.protobuf.any_pb2 import Any
 from google.protobuf.message import Message
 
-from .ttrpc import Client, ConnectionClosed, TtrpcError
+from podvm_core.ttrpc import Client, ConnectionClosed, TtrpcError
 
 log = logging.getLogger("podvm.events")
 
@@ -67,7 +67,7 @@ class Publisher:
 
     async def _send(self, topic: str, event: Any, ts: int) -> None:
         # At the first event, not before: keeps the daemon's start path short.
-        from .pb.containerd.services.events.ttrpc.v1.events_pb2 import Envelope, ForwardRequest
+        from podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2 import Envelope, ForwardRequest
 
         envelope = Envelope(namespace=self._namespace, topic=topic, event=event)
         envelope.timestamp.FromNanoseconds(ts)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
+from podvm_core.protocol import SANDBOX_NS
 
 GUEST_SHARED = "/run/podvm/shared"
-SANDBOX_NS = "podvm:sandbox"
 """A namespace path the agent resolves to the guest sandbox container's."""
 _HOST_KERNEL_PATHS = ("/dev", "/proc", "/sys")
 _SHM_TMPFS = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",

@@ -156,7 +156,7 @@ class HostCgroup:
         from google.protobuf.any_pb2 import Any
 
         if isinstance(self.manager, cgroups.CgroupV2Manager):
-            from .pb.containerd.cgroups.v2 import metrics_pb2 as v2
+            from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as v2
 
             d = self.manager.hierarchy.directory(self.layout.sandbox)
             stat = dict(line.split() for line in _read(os.path.join(d, "cpu.stat"))
@@ -169,7 +169,7 @@ class HostCgroup:
             m.pids.limit = _int(os.path.join(d, "pids.max"))
             return Any(type_url="io.containerd.cgroups.v2.Metrics",
                        value=m.SerializeToString())
-        from .pb.containerd.cgroups.v1 import metrics_pb2 as v1
+        from podvm_core.pb.containerd.cgroups.v1 import metrics_pb2 as v1
 
         def path(controller: str, name: str) -> str:
             h = next(h for h in self.manager.hierarchies if controller in h.controllers)

@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Callable
 
+from podvm_core.atomic import write_atomic
+
 from . import paths, shimstate
 from .flags import Flags
 
@@ -96,14 +98,14 @@ def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
 
 
 def _write_address(bundle: str, address: str) -> None:
-    shimstate.write_atomic(os.path.join(bundle, "address"), address.encode())
+    write_atomic(os.path.join(bundle, "address"), address.encode())
 
 
 def delete(flags: Flags) -> int:
     """Clean up after a container whose daemon is gone (or never answered), from the
     persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says)."""
     from .cleanup import cleanup_container
-    from .pb.containerd.task.v2.shim_pb2 import DeleteResponse
+    from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
 
     bundle = flags.bundle_dir
     cleanup_container(flags.namespace, flags.id, bundle)

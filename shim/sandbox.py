@@ -13,7 +13,8 @@ import os
 import shutil
 import time
 
-from cgroups.limits import format_cpu_list, parse_cpu_list
+from podvm_core.atomic import write_json
+from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 from . import guestspec, mounts, paths
 from .agent import Agent
@@ -59,10 +60,7 @@ class Sandbox:
 
     def _persist(self) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        tmp = os.path.join(self.dir, STATE_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self._state, f)
-        os.replace(tmp, os.path.join(self.dir, STATE_FILE))
+        write_json(os.path.join(self.dir, STATE_FILE), self._state)
 
     async def boot(self) -> None:
         q = self.config.qemu

@@ -14,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from .pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as api
+from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as api
+from podvm_core.ttrpc import Code, Context, TtrpcError
 from .pod.slot import VM_GONE_STATUS, PodSlot
-from .ttrpc import Code, Context, TtrpcError
 
 if TYPE_CHECKING:
     from .pod.pod import Pod
@@ -95,7 +95,7 @@ class SandboxService:
             raise TtrpcError(Code.ALREADY_EXISTS, f"this shim already serves the pod "
                                                   f"{self.slot.pod.id!r}")
         from . import config
-        from .pb.cri import api_pb2 as cri
+        from podvm_core.pb.cri import api_pb2 as cri
         from .pod.pod import Pod, planned
         from .pod.planner import PodPlanner
         from .sandbox import host
@@ -257,7 +257,7 @@ def _pod_config(options):
                                                f"{POD_SANDBOX_CONFIG}")
     from google.protobuf.message import DecodeError
 
-    from .pb.cri import api_pb2 as cri
+    from podvm_core.pb.cri import api_pb2 as cri
 
     try:
         return cri.PodSandboxConfig.FromString(options.value)

@@ -6,23 +6,17 @@ from __future__ import annotations
 import json
 import os
 
+from podvm_core.atomic import write_json
+
 from . import paths
 
 SHIM_STATE = "shim.json"
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """`path` holds either its old content or `data`, never a part of it."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def write(namespace: str, group: str, state: dict) -> None:
     directory = paths.state_dir(namespace, group)
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    write_atomic(os.path.join(directory, SHIM_STATE), json.dumps(state).encode())
+    write_json(os.path.join(directory, SHIM_STATE), state)
 
 
 def read(namespace: str, group: str) -> dict | None:

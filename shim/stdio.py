@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .ttrpc import TtrpcError
+from podvm_core.ttrpc import TtrpcError
 
 if TYPE_CHECKING:
-    from .pb.agent.agent_pb2 import Stdio as StdioMessage
+    from podvm_core.pb.agent.agent_pb2 import Stdio as StdioMessage
 
 
 class Streams(Protocol):
@@ -43,7 +43,7 @@ class Stdio:
         return cls(bool(stdin), bool(stdout), bool(stderr) and not terminal, terminal)
 
     def message(self) -> "StdioMessage":
-        from .pb.agent.agent_pb2 import Stdio as StdioMessage
+        from podvm_core.pb.agent.agent_pb2 import Stdio as StdioMessage
 
         return StdioMessage(stdin=self.stdin, stdout=self.stdout, stderr=self.stderr,
                             terminal=self.terminal)

@@ -38,6 +38,6 @@ def test_install_twice_and_run(tmp_path: pathlib.Path) -> None:
     assert ctl.returncode == 0 and 'accel = "tcg"' in ctl.stdout
     # The installed copy stands alone: generated protos inside, not the source tree's.
     imported = subprocess.run([str(tmp_path / "opt" / "venv" / "bin" / "python"), "-c",
-                               "import shim.pb.ttrpc_pb2 as m; print(m.__file__)"],
+                               "import podvm_core.pb.ttrpc_pb2 as m; print(m.__file__)"],
                               capture_output=True, text=True, cwd="/")
     assert imported.returncode == 0 and str(tmp_path / "opt") in imported.stdout

@@ -36,8 +36,8 @@ import asyncio  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
-from shim.pb.agent import agent_pb2  # noqa: E402
-from shim.ttrpc import Server, bind  # noqa: E402
+from podvm_core.pb.agent import agent_pb2  # noqa: E402
+from podvm_core.ttrpc import Server, bind  # noqa: E402
 
 from .port import open_port, wait_for_port  # noqa: E402
 from .reaper import REAPER  # noqa: E402

@@ -8,8 +8,8 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from shim.pb.agent import agent_pb2 as pb
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.ttrpc import Code, TtrpcError
 
 from . import runc
 from .reaper import REAPER

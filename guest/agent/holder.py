@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code, TtrpcError
 
 from .containers import Process
 from .reaper import REAPER

@@ -4,8 +4,8 @@ the spec is already the guest's (vCPUs), as the shim's guestspec wrote it."""
 from __future__ import annotations
 
 import copy
+from podvm_core.protocol import SANDBOX_NS
 
-SANDBOX_NS = "podvm:sandbox"
 CGROUP_PARENT = "/podvm"
 
 

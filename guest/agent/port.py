@@ -6,13 +6,13 @@ import asyncio
 import glob
 import logging
 import os
+from podvm_core.protocol import AGENT_PORT
 
-PORT_NAME = "podvm.agent"
 
 log = logging.getLogger("podvm.agent")
 
 
-def find_port(name: str = PORT_NAME) -> str:
+def find_port(name: str = AGENT_PORT) -> str:
     for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
         with open(name_file) as f:
             if f.read().strip() == name:

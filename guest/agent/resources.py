@@ -77,7 +77,7 @@ def metrics(container_id: str):
     """The container's cgroup v2 statistics as containerd's Metrics, in an Any."""
     from google.protobuf.any_pb2 import Any  # loaded at the first stats call, not at boot
 
-    from shim.pb.containerd.cgroups.v2 import metrics_pb2 as m
+    from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as m
 
     base = os.path.join(CGROUP, container_id)
     cpu = _kv(os.path.join(base, "cpu.stat"))

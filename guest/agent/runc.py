@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code, TtrpcError
 
 from .reaper import run
 

@@ -9,8 +9,8 @@ import time
 
 from google.protobuf.empty_pb2 import Empty
 
-from shim.pb.agent import agent_pb2 as pb
-from shim.ttrpc import Code, Context, TtrpcError
+from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from . import containers, holder, oci, resources, runc
 from .containers import Container

@@ -16,6 +16,8 @@ import json
 import os
 from typing import Iterable, Iterator, Mapping
 
+from podvm_core.atomic import write_json
+
 from .cpuset import SYS_CPU, core_siblings, format_cpu_list, online_cpus, parse_cpu_list
 
 DEFAULT_DIR = "/run/podvm/cpus"
@@ -193,16 +195,7 @@ class Allocator:
             if stale != tmp:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
-        try:
-            with open(tmp, "w") as f:
-                json.dump(entries, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_json(self.path, entries, durable=True, indent=1, sort_keys=True)
 
 
 def _valid(entry: object) -> bool:

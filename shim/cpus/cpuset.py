@@ -1,14 +1,14 @@
 """Host CPU sets: the kernel's list syntax, the CPUs a host has, which of them share a
 core, and the pod's cpuset made from its containers' (resources.md section 4).
 
-The list syntax lives in `cgroups.limits` (the cgroup files use it); it is re-exported
+The list syntax lives in `podvm_core.cpulist` (host and guest share it); it is re-exported
 here so that CPU code has one place to import from."""
 from __future__ import annotations
 
 import os
 from typing import Iterable
 
-from cgroups.limits import format_cpu_list, parse_cpu_list
+from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 __all__ = ["format_cpu_list", "parse_cpu_list", "online_cpus", "union", "core_siblings"]
 

@@ -10,6 +10,8 @@ import signal
 
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
+from podvm_core.protocol import AGENT_PORT
+
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..resources.update import MEMORY_BLOCK_MIB
 from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, ThreadRole, VM,
@@ -20,7 +22,6 @@ VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
 
 log = logging.getLogger("podvm.qemu")
 
-AGENT_PORT = "podvm.agent"
 SHARE_TAG = "podvm"
 QBOOT = "/usr/share/qemu/qboot.rom"
 # Each skips probing a microVM does not need; measured under TCG in design.md. The second

@@ -12,7 +12,7 @@ import json
 from dataclasses import replace
 from typing import Callable, Mapping
 
-from cgroups.limits import format_cpu_list, parse_cpu_list
+from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 from ..config import Config
 from ..resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,

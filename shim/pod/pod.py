@@ -12,10 +12,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from podvm_core.cpulist import parse_cpu_list
+from podvm_core.ttrpc import Code, TtrpcError
+
 from .. import config, errors, guestspec
 from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
-from ..ttrpc import Code, TtrpcError
 from .planner import PodPlanner, parse_linux_resources
 
 if TYPE_CHECKING:
@@ -349,7 +351,6 @@ class Pod:
         cpuset = self.planner.containers.get(container_id, ContainerResources()).cpuset
         if not cpuset:
             return None
-        from cgroups.limits import parse_cpu_list
 
         from ..cpus.pinning import guest_cpus_for_update
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
+
 from ..config import Config
 
 MIB = 1 << 20
 MIN_SHARES = 2
-DEFAULT_PERIOD_US = 100_000
+DEFAULT_PERIOD_US = DEFAULT_CFS_PERIOD_US
 
 
 class PlanError(ValueError):

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Mapping
 
+from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
+
 from .model import MIB, ContainerResources, NoFit, PlanError, SandboxPlan
 
-DEFAULT_PERIOD_US = 100_000
 MEMORY_BLOCK_MIB = 128
 """Linux onlines hot-plugged memory in 128 MiB blocks on x86-64 (a smaller or unaligned
 DIMM stays unusable and misaligns every later one): hot-plug in whole blocks."""
@@ -46,7 +47,7 @@ def pod_totals(sandbox: ContainerResources,
     memory = max(sandbox.memory_limit,
                  sum(max(c.memory_limit, 0) for c in containers.values()))
     if cpus > 0:
-        period = sandbox.cpu_period if _exact_cpus(sandbox) == cpus else DEFAULT_PERIOD_US
+        period = sandbox.cpu_period if _exact_cpus(sandbox) == cpus else DEFAULT_CFS_PERIOD_US
         quota = math.ceil(cpus * period)
     else:
         quota, period = sandbox.cpu_quota, sandbox.cpu_period

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
+from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
+from podvm_core.ttrpc import Code, TtrpcError
+
 from .. import config, paths
-from ..pb.containerd.runtimeoptions.v1.api_pb2 import Options
-from ..ttrpc import Code, TtrpcError
 
 RUNTIME_OPTIONS = "runtimeoptions.v1.Options"
 

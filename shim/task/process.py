@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..pb.containerd.types.task_pb2 import Status
-from ..ttrpc import Code, TtrpcError
+from podvm_core.pb.containerd.types.task_pb2 import Status
+from podvm_core.ttrpc import Code, TtrpcError
 
 
 class State(Enum):

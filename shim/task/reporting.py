@@ -7,10 +7,11 @@ import logging
 import time
 from typing import Callable, Iterable
 
+from podvm_core.pb.containerd.events import task_pb2 as events
+from podvm_core.ttrpc import TtrpcError
+
 from ..events import Publisher
-from ..pb.containerd.events import task_pb2 as events
 from ..pod.slot import VM_GONE_STATUS, PodSlot
-from ..ttrpc import TtrpcError
 from .process import Container, Process, State
 
 log = logging.getLogger("podvm.task")

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Callable
 
 from google.protobuf.empty_pb2 import Empty
 
+from podvm_core.pb.containerd.events import task_pb2 as events
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.containerd.types.task_pb2 import ProcessInfo
+from podvm_core.ttrpc import Code, Context, TtrpcError
+
 from .. import __version__, paths
 from ..events import Publisher
 from ..mounts import Mount
-from ..pb.containerd.events import task_pb2 as events
-from ..pb.containerd.task.v2 import shim_pb2 as api
-from ..pb.containerd.types.task_pb2 import ProcessInfo
 from ..pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ..stdio import ProcessIO, Stdio
-from ..ttrpc import Code, Context, TtrpcError
 from .bundle import load_config, read_bundle
 from .reporting import Reporter
 from .process import Container, Process, State

@@ -40,8 +40,10 @@ def overlay_initrd(base: str, out: pathlib.Path) -> None:
         cpio.file("podvm-cgtest/init", INIT.encode(), 0o755)
         for name in ("guest_v2_check.py", "threads_helper.py"):
             cpio.file(f"podvm-cgtest/{name}", (HERE / name).read_bytes())
-        for path in sorted((ROOT / "cgroups").glob("*.py")):
-            cpio.file(f"podvm-cgtest/cgroups/{path.name}", path.read_bytes())
+        # cgroups/ and the plain modules of the core package it imports (CPU lists).
+        for package in ("cgroups", "podvm_core"):
+            for path in sorted((ROOT / package).glob("*.py")):
+                cpio.file(f"podvm-cgtest/{package}/{path.name}", path.read_bytes())
         cpio.close()
 
 

@@ -243,7 +243,7 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
 
 
 def _cri():
-    from shim.pb.cri import api_pb2
+    from podvm_core.pb.cri import api_pb2
 
     return api_pb2
 

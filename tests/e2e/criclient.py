@@ -12,7 +12,7 @@ from typing import Any, Callable, TextIO
 import grpc
 from google.protobuf import message, text_format
 
-from shim.pb.cri import api_pb2 as cri
+from podvm_core.pb.cri import api_pb2 as cri
 
 RUNTIME = "RuntimeService"
 IMAGE = "ImageService"
@@ -100,7 +100,7 @@ class CriClient:
               request_type: type[message.Message]) -> Callable[..., message.Message]:
         desc = cri.DESCRIPTOR.services_by_name[service].methods_by_name.get(method)
         if desc is None:
-            raise ValueError(f"{service} has no method {method} in shim/pb/cri/api.proto")
+            raise ValueError(f"{service} has no method {method} in protos/podvm_core/pb/cri/api.proto")
         if desc.input_type is not request_type.DESCRIPTOR:
             raise TypeError(f"{method} takes {desc.input_type.name}, "
                             f"not {request_type.DESCRIPTOR.name}")

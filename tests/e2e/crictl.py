@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import grpc
 from google.protobuf import json_format, message
 
-from shim.pb.cri import api_pb2 as cri
+from podvm_core.pb.cri import api_pb2 as cri
 
 from .criclient import CriClient, CriError
 

@@ -15,12 +15,12 @@ import uuid
 
 from google.protobuf.empty_pb2 import Empty
 
-from shim.pb.containerd.runtimeoptions.v1.api_pb2 import Options
-from shim.pb.containerd.services.events.ttrpc.v1 import events_pb2
-from shim.pb.containerd.services.events.ttrpc.v1.events_pb2 import ForwardRequest
-from shim.pb.containerd.task.v2 import shim_pb2 as api
-from shim.pb.containerd.types.mount_pb2 import Mount
-from shim.ttrpc import Client, ConnectionClosed, Server, bind
+from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
+from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
+from podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2 import ForwardRequest
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.containerd.types.mount_pb2 import Mount
+from podvm_core.ttrpc import Client, ConnectionClosed, Server, bind
 from tests.conftest import require_root
 from tests.shim.shimproc import daemon_pid, run_shim
 from tests.shim.test_process_contract import wait_gone
@@ -99,7 +99,7 @@ class EventSink:
     async def Forward(self, req: ForwardRequest, ctx) -> Empty:
         self.events.append((req.envelope.topic, req.envelope.event.type_url))
         if req.envelope.topic == "/tasks/delete":
-            from shim.pb.containerd.events.task_pb2 import TaskDelete
+            from podvm_core.pb.containerd.events.task_pb2 import TaskDelete
 
             self.deleted.append(TaskDelete.FromString(req.envelope.event.value).container_id)
         return Empty()

@@ -74,7 +74,7 @@ def test_endpoints() -> None:
 
 def test_cri_messages_need_no_grpc() -> None:
     """shim/ never imports grpc: the generated CRI messages must not pull it in."""
-    code = "import sys, shim.pb.cri.api_pb2 as m; print('grpc' in sys.modules, " \
+    code = "import sys, podvm_core.pb.cri.api_pb2 as m; print('grpc' in sys.modules, " \
            "[s.full_name for s in m.DESCRIPTOR.services_by_name.values()])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO_ROOT, check=True).stdout
@@ -82,7 +82,7 @@ def test_cri_messages_need_no_grpc() -> None:
 
 
 def test_json_configs_in_either_spelling(tmp_path) -> None:
-    from shim.pb.cri import api_pb2
+    from podvm_core.pb.cri import api_pb2
 
     path = tmp_path / "pod.json"
     path.write_text(json.dumps({"metadata": {"name": "p"}, "logDirectory": "/l",

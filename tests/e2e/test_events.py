@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+from podvm_core.pb.containerd.events.task_pb2 import TaskExit, TaskOOM
 from shim.events import Publisher
-from shim.pb.containerd.events.task_pb2 import TaskExit, TaskOOM
 
 
 async def published(containerd, publisher: Publisher, topic: str, event, needle: str) -> str:

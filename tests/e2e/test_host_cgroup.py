@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 import cgroups
-from shim.pb.containerd.task.v2 import shim_pb2 as api
 
 from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
 

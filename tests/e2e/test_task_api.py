@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from shim.pb.containerd.task.v2 import shim_pb2 as api
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import Code, TtrpcError
 
 from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
 
@@ -105,7 +105,7 @@ async def test_pause_update_pids_stats_and_kill_all(shim) -> None:
     async with asyncio.timeout(30):
         await call(shim, "Update", update)
         stats = await call(shim, "Stats", api.StatsRequest(id="busy"), api.StatsResponse)
-    from shim.pb.containerd.cgroups.v2 import metrics_pb2
+    from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2
     assert stats.stats.type_url == "io.containerd.cgroups.v2.Metrics"  # containerd's name
     metrics = metrics_pb2.Metrics.FromString(stats.stats.value)
     assert metrics.memory.usage_limit == 96 << 20

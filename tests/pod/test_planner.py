@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from podvm_core.pb.cri import api_pb2 as cri
 from shim.config import Config
-from shim.pb.cri import api_pb2 as cri
 from shim.pod.planner import PodPlanner, pod_cgroup_memory_mib
 from shim.resources import Host, NoFit
 

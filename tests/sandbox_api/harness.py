@@ -8,11 +8,11 @@ import os
 import pathlib
 import uuid
 
+from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
+from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
+from podvm_core.pb.cri import api_pb2 as cri
+from podvm_core.ttrpc import Client, Server, bind
 import cgroups
-from shim.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
-from shim.pb.containerd.services.events.ttrpc.v1 import events_pb2
-from shim.pb.cri import api_pb2 as cri
-from shim.ttrpc import Client, Server, bind
 from tests.conftest import require_root
 from tests.e2e.taskshim import EventSink, remove_cgroup_dirs
 from tests.shim.shimproc import daemon_pid, run_shim

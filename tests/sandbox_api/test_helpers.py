@@ -2,7 +2,7 @@
 parent syntax, and the pod's totals from a PodSandboxConfig."""
 from __future__ import annotations
 
-from shim.pb.cri import api_pb2 as cri
+from podvm_core.pb.cri import api_pb2 as cri
 from shim.resources import ContainerResources
 from shim.pod.planner import pod_resources as _pod_resources
 from shim.sandboxapi import _cgroups_path

@@ -13,10 +13,10 @@ import pathlib
 
 import pytest
 
-from shim.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
-from shim.pb.containerd.task.v2 import shim_pb2 as api
-from shim.pb.cri import api_pb2 as cri
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.cri import api_pb2 as cri
+from podvm_core.ttrpc import Code, TtrpcError
 from tests.e2e.taskshim import TASK, Fifos, busybox_rootfs, create, spec
 from tests.shim.shimproc import alive, daemon_pid, run_shim
 from tests.shim.test_process_contract import wait_gone
@@ -135,13 +135,13 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
                                  sb.SandboxMetricsResponse)
         assert metrics.metrics.id == pod.id and metrics.metrics.timestamp.seconds > 0
         if v2():
-            from shim.pb.containerd.cgroups.v2 import metrics_pb2 as v2m
+            from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as v2m
 
             assert metrics.metrics.data.type_url == "io.containerd.cgroups.v2.Metrics"
             m2 = v2m.Metrics.FromString(metrics.metrics.data.value)
             assert m2.memory.usage_limit == int(memory) and m2.memory.usage > 0
         else:
-            from shim.pb.containerd.cgroups.v1 import metrics_pb2 as v1m
+            from podvm_core.pb.containerd.cgroups.v1 import metrics_pb2 as v1m
 
             assert metrics.metrics.data.type_url == "io.containerd.cgroups.v1.Metrics"
             m1 = v1m.Metrics.FromString(metrics.metrics.data.value)

@@ -11,9 +11,9 @@ import pathlib
 
 import pytest
 
-from shim.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
-from shim.pb.containerd.task.v2 import shim_pb2 as api
-from shim.ttrpc import Code, TtrpcError
+from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import Code, TtrpcError
 from tests.e2e.taskshim import TASK, spec
 from tests.shim.test_process_contract import wait_gone
 

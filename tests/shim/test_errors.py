@@ -6,6 +6,8 @@ import importlib
 
 import pytest
 
+from podvm_core.cpulist import CpuListError
+from podvm_core.ttrpc import Code, TtrpcError
 import cgroups
 from shim import errors
 from shim.config import ConfigError
@@ -14,7 +16,6 @@ from shim.hypervisor import BootTimeout, CannotGrow, HypervisorError, MissingFil
 from shim.pod.pod import StaticRefusal
 from shim.resources.model import NoFit, PlanError
 from shim.resources.update import StaticSizeExceeded
-from shim.ttrpc import Code, TtrpcError
 
 
 def test_every_row_names_an_exception_class() -> None:
@@ -43,6 +44,7 @@ def test_no_row_is_shadowed_by_an_earlier_one() -> None:
     (NoFreeCPUs("none left"), Code.RESOURCE_EXHAUSTED),
     (cgroups.InvalidLimits("memory below use"), Code.INVALID_ARGUMENT),
     (cgroups.CgroupError("cannot write"), Code.FAILED_PRECONDITION),
+    (CpuListError("cpuset '1-x'"), Code.INVALID_ARGUMENT),
     (ConfigError("bad key"), Code.INVALID_ARGUMENT),
     (TtrpcError(Code.NOT_FOUND, "gone"), Code.NOT_FOUND),
     (RuntimeError("a bug"), Code.UNKNOWN),

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from shim.pb.containerd.task.v2 import shim_pb2 as api
-from shim.ttrpc import Client, Code, TtrpcError
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import Client, Code, TtrpcError
 
 from .shimproc import SHIM, alive, daemon_pid, make_bundle, run_shim
 
@@ -120,7 +120,7 @@ async def test_create_answers_clearly(started, tmp_path) -> None:
     bundle, address = started
     bad_config = tmp_path / "bad.toml"
     bad_config.write_text("[hypervisor.qemu]\ndefault_vcpus = -1\n")
-    from shim.pb.containerd.runtimeoptions.v1.api_pb2 import Options
+    from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
 
     async with await Client.connect(address) as c:
         with pytest.raises(TtrpcError) as err:

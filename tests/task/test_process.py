@@ -17,10 +17,10 @@ import pytest
 from google.protobuf.any_pb2 import Any
 from google.protobuf.message import Message
 
-from shim.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import Code, Context, TtrpcError
 from shim.task.process import Container, Process, State
 from shim.task.service import TaskService
-from shim.ttrpc import Code, Context, TtrpcError
 
 CTX = Context("containerd.task.v2.Task", "x")
 CID, EID, NEW_EID = "ctr-7", "exec-3", "exec-new"

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from shim.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import Code, Context, TtrpcError
 from shim.task.process import Container, Process, State
 from shim.task.service import TaskService
-from shim.ttrpc import Code, Context, TtrpcError
 
 CTX = Context("containerd.task.v2.Task", "x")
 

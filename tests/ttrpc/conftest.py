@@ -6,9 +6,9 @@ import pathlib
 
 import pytest
 
-from shim.pb.containerd.task.v2 import shim_pb2 as task
-from shim.ttrpc import Client, Context, Server, TtrpcError, bind
-from shim.ttrpc.codes import Code
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as task
+from podvm_core.ttrpc import Client, Context, Server, TtrpcError, bind
+from podvm_core.ttrpc.codes import Code
 
 SERVICE = "containerd.task.v2.Task"
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from shim.pb.containerd.task.v2 import shim_pb2 as task
-from shim.ttrpc import Client, Server, TtrpcError, bind
-from shim.ttrpc.codes import Code
-from shim.ttrpc.framing import MAX_DATA
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as task
+from podvm_core.ttrpc import Client, Server, TtrpcError, bind
+from podvm_core.ttrpc.codes import Code
+from podvm_core.ttrpc.framing import MAX_DATA
 
 from .conftest import SERVICE
 
@@ -29,7 +29,7 @@ async def test_namespace_metadata_reaches_the_handler(server, socket_path: str) 
 
 
 async def test_served_under_the_v3_name_too(socket_path: str) -> None:
-    from shim.ttrpc import Server, bind
+    from podvm_core.ttrpc import Server, bind
     from .conftest import EchoTask
 
     impl = EchoTask()
@@ -110,7 +110,7 @@ async def test_oversized_request_is_refused_by_the_client(client: Client) -> Non
 
 
 async def test_server_close_fails_outstanding_calls(server, socket_path: str) -> None:
-    from shim.ttrpc import ConnectionClosed
+    from podvm_core.ttrpc import ConnectionClosed
 
     c = await Client.connect(socket_path)
     pending = asyncio.create_task(

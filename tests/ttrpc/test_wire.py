@@ -7,11 +7,11 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shim.pb.containerd.task.v2 import shim_pb2 as task
-from shim.pb.ttrpc_pb2 import Request, Response
-from shim.ttrpc import Client
-from shim.ttrpc.codes import Code
-from shim.ttrpc.framing import HEADER, MAX_DATA
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as task
+from podvm_core.pb.ttrpc_pb2 import Request, Response
+from podvm_core.ttrpc import Client
+from podvm_core.ttrpc.codes import Code
+from podvm_core.ttrpc.framing import HEADER, MAX_DATA
 
 from .conftest import SERVICE
 

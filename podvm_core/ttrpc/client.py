@@ -8,7 +8,7 @@ from typing import Iterable, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from shim.pb.ttrpc_pb2 import KeyValue, Request, Response
+from podvm_core.pb.ttrpc_pb2 import KeyValue, Request, Response
 
 from . import framing
 from .codes import Code

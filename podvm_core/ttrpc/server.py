@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 from google.protobuf.message import DecodeError
 
-from shim.pb.ttrpc_pb2 import Request, Response
+from podvm_core.pb.ttrpc_pb2 import Request, Response
 
 from . import framing
 from .codes import Code
