@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from podvm_core.fdio import CHUNK, FdStream
 from podvm_core.ttrpc import TtrpcError
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ class Streams(Protocol):
     async def close_stdin(self, container_id: str, exec_id: str) -> None: ...
 
 log = logging.getLogger("podvm.stdio")
-
-CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,39 +48,17 @@ class Stdio:
                             terminal=self.terminal)
 
 
-class FifoWriter:
+class FifoWriter(FdStream):
     """The write end of a FIFO containerd reads. Opened read-write: the open never
     blocks and never fails for want of a reader, and data waits in the pipe."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-
-    async def write(self, data: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self._fd, view):]
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(self._fd, ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        super().__init__(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
 
 
-class FifoReader:
+class FifoReader(FdStream):
     """The read end of a FIFO containerd writes (stdin)."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
 
     @classmethod
     async def open(cls, path: str) -> "FifoReader":
@@ -102,27 +79,7 @@ class FifoReader:
         import threading  # the only thread a shim ever starts, and only for stdin
 
         threading.Thread(target=blocking_open, name="stdin-open", daemon=True).start()
-        fd = await opened
-        os.set_blocking(fd, False)
-        return cls(fd)
-
-    async def read(self) -> bytes:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                return os.read(self._fd, CHUNK)
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_reader(self._fd, ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        return cls(await opened)
 
 
 class ProcessIO:

@@ -7,6 +7,8 @@ import asyncio
 import os
 import signal
 
+from podvm_core.fdio import FdStream
+
 
 class Reaper:
     def __init__(self) -> None:
@@ -78,23 +80,8 @@ async def run(argv: list[str], stdin: int | None = None, stdout: int | None = No
 async def _read_all(fd: int | None) -> bytes:
     if fd is None:
         return b""
-    loop = asyncio.get_running_loop()
-    os.set_blocking(fd, False)
-    chunks = []
+    output = FdStream(fd)
     try:
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_reader(fd, ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(fd)
-                continue
-            if not data:
-                return b"".join(chunks)
-            chunks.append(data)
+        return await output.read_all()
     finally:
-        os.close(fd)
+        output.close()
