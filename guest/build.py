@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import lzma
-import os
 import pathlib
 import py_compile
 import shutil
@@ -20,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+import google.protobuf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cpio import CpioWriter  # noqa: E402
@@ -111,7 +112,6 @@ def versions(packages: list[str]) -> dict[str, str]:
 
 
 def protobuf_version() -> str:
-    import google.protobuf
     return google.protobuf.__version__
 
 

@@ -37,7 +37,7 @@ def _c():
 
 
 def _errno() -> int:
-    import ctypes
+    import ctypes  # loaded by _c() already: still kept out of the idle daemon
 
     return ctypes.get_errno()
 

@@ -41,7 +41,7 @@ def _sha256(data: bytes):
         try:
             from _sha256 import sha256  # Python 3.11
         except ImportError:
-            from hashlib import sha256
+            from hashlib import sha256  # a Python built without them: OpenSSL's
     return sha256(data)
 
 

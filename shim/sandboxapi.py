@@ -14,12 +14,21 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
+from google.protobuf.message import DecodeError
+
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as api
+from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, Context, TtrpcError
+
+# The daemon loads this module at the first Sandbox API call (shim/daemon.py), so the
+# pod's machinery is imported here at the top: a sandbox is about to need it.
+from . import config
+from .pod.planner import PodPlanner, parse_linux_resources, pod_cgroup_memory_mib, pod_resources
+from .pod.pod import Pod, planned
 from .pod.slot import VM_GONE_STATUS, PodSlot
+from .sandbox import host
 
 if TYPE_CHECKING:
-    from .pod.pod import Pod
     from .resources import ContainerResources
 
 log = logging.getLogger("podvm.sandboxapi")
@@ -94,12 +103,6 @@ class SandboxService:
         if self.slot.pod is not None:
             raise TtrpcError(Code.ALREADY_EXISTS, f"this shim already serves the pod "
                                                   f"{self.slot.pod.id!r}")
-        from . import config
-        from podvm_core.pb.cri import api_pb2 as cri
-        from .pod.pod import Pod, planned
-        from .pod.planner import PodPlanner
-        from .sandbox import host
-
         try:
             cfg = config.load()
         except config.ConfigError as exc:
@@ -123,11 +126,14 @@ class SandboxService:
                              f"sandbox {req.sandbox_id!r} was not created: CreateSandbox first")
         async with self._transition:
             pod = self._check(req.sandbox_id, Phase.CREATED)
-            await pod.boot()
+            await pod.boot()  # a failed boot leaves nothing: Start may be tried again
             try:
                 holder = await pod.agent.create_pod_namespaces()
             except BaseException:
+                # The VM is gone with the slot's hold on it: this sandbox is over, and a
+                # second Start must not boot a pod the Task API would never see.
                 await pod.stop()
+                self._stopped(VM_GONE_STATUS)
                 raise
             log.info("sandbox %s: ready, QEMU %d, pod namespaces held by guest pid %d",
                      self.id, pod.pid, holder)
@@ -205,8 +211,6 @@ class SandboxService:
                             ctx: Context) -> api.UpdateSandboxResponse:
         """New pod totals (LinuxResources JSON or a PodSandboxConfig) and annotations:
         re-planned and applied through the same path as Task.Update, all or nothing."""
-        from .pod.planner import pod_cgroup_memory_mib
-
         pod = self._check(req.sandbox_id, Phase.READY)
         wanted, overhead, annotations = self._update_inputs(pod, req)
         annotations.update(req.annotations)
@@ -223,8 +227,6 @@ class SandboxService:
     def _update_inputs(self, pod: Pod, req: api.UpdateSandboxRequest
                        ) -> tuple[ContainerResources, int | None, dict[str, str]]:
         """(the pod's new totals, its new overhead in bytes or None, annotations)."""
-        from .pod.planner import parse_linux_resources, pod_resources
-
         url = req.resources.type_url
         if not url:
             if not req.annotations:
@@ -255,10 +257,6 @@ def _pod_config(options):
         raise TtrpcError(Code.INVALID_ARGUMENT, f"sandbox options of type "
                                                f"{options.type_url!r}: podvm takes "
                                                f"{POD_SANDBOX_CONFIG}")
-    from google.protobuf.message import DecodeError
-
-    from podvm_core.pb.cri import api_pb2 as cri
-
     try:
         return cri.PodSandboxConfig.FromString(options.value)
     except DecodeError as exc:

@@ -14,7 +14,8 @@ class _Deferred(types.ModuleType):
     """A module that is only imported if something reads an attribute of it."""
 
     def __getattr__(self, attr: str) -> object:
-        import importlib
+        import importlib  # only when the deferred module is really used
+
         if sys.modules.get(self.__name__) is self:
             del sys.modules[self.__name__]
         return getattr(importlib.import_module(self.__name__), attr)
@@ -24,7 +25,9 @@ def _defer_python_message() -> None:
     """With the upb (C) protobuf backend, descriptor_pool and builder still import the
     pure-Python message implementation (and through it text_format, decoder, encoder,
     containers...) without using it: ~0.1 s under TCG. Load it only if it is used."""
+    # Before protobuf's other modules load (they are what this defers), so not above.
     from google.protobuf.internal import api_implementation
+
     name = "google.protobuf.internal.python_message"
     if api_implementation.Type() == "upb" and name not in sys.modules:
         sys.modules[name] = _Deferred(name)

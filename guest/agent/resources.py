@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 
+from podvm_core.cpulist import parse_cpu_list
+
 
 CGROUP = "/sys/fs/cgroup/podvm"
 
@@ -19,14 +21,9 @@ def online() -> tuple[int, int]:
 def _online_cpus() -> int:
     try:
         with open("/sys/devices/system/cpu/online") as f:
-            text = f.read().strip()
+            return len(parse_cpu_list(f.read(), "online CPUs"))
     except OSError:
         return os.cpu_count() or 1
-    count = 0
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        count += int(hi or lo) - int(lo) + 1
-    return count
 
 
 def online_hotplugged(cpus: int = 0) -> None:
@@ -75,8 +72,9 @@ def _single(path: str) -> int:
 
 def metrics(container_id: str):
     """The container's cgroup v2 statistics as containerd's Metrics, in an Any."""
-    from google.protobuf.any_pb2 import Any  # loaded at the first stats call, not at boot
-
+    # Loaded at the first stats call, not at boot: every import before the agent serves
+    # costs boot time under TCG.
+    from google.protobuf.any_pb2 import Any
     from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as m
 
     base = os.path.join(CGROUP, container_id)

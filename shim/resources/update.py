@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Mapping
 
+from podvm_core.cpulist import format_cpu_list
 from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
 
+from ..cpus.cpuset import union
 from .model import MIB, ContainerResources, NoFit, PlanError, SandboxPlan
 
 MEMORY_BLOCK_MIB = 128
@@ -64,8 +66,6 @@ def _exact_cpus(c: ContainerResources) -> Fraction:
 
 def cpuset_union(cpusets) -> str:
     """Kernel list syntax in, canonical kernel list syntax out; '' = no restriction."""
-    from ..cpus.cpuset import format_cpu_list, union
-
     return format_cpu_list(union(cpusets))
 
 
