@@ -1,5 +1,8 @@
 """What the kernel says about a process's threads: which exist and which cgroup each one
-is in. The source of truth for placement, since threads come and go under us."""
+is in. The source of truth for placement, since threads come and go under us.
+
+Read from /proc with the standard library, not psutil: this package also runs inside a
+guest that has nothing else (tests/cgroups/guest_v2_check.py)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +14,7 @@ UNIFIED = "unified"
 
 
 def thread_ids(pid: int) -> list[int]:
-    try:
+    try:  # psutil's threads() would also read every thread's stat, every second (watch)
         return sorted(int(name) for name in os.listdir(f"/proc/{pid}/task"))
     except FileNotFoundError:
         raise ProcessGone(f"process {pid} has exited (no /proc/{pid}/task)") from None
@@ -36,7 +39,7 @@ def parse_proc_cgroup(text: str) -> dict[str, str]:
 
 def thread_cgroups(pid: int, tid: int) -> dict[str, str] | None:
     """None when the thread has exited."""
-    try:
+    try:  # psutil has no per-thread cgroup membership
         with open(f"/proc/{pid}/task/{tid}/cgroup") as f:
             return parse_proc_cgroup(f.read())
     except (FileNotFoundError, ProcessLookupError):
@@ -44,7 +47,7 @@ def thread_cgroups(pid: int, tid: int) -> dict[str, str] | None:
 
 
 def thread_name(pid: int, tid: int) -> str:
-    try:
+    try:  # stdlib only (the guest has no psutil)
         with open(f"/proc/{pid}/task/{tid}/comm") as f:
             return f.read().rstrip("\n")
     except (FileNotFoundError, ProcessLookupError):
@@ -53,7 +56,7 @@ def thread_name(pid: int, tid: int) -> str:
 
 def process_of(tid: int) -> int | None:
     """The thread group (process) a thread id belongs to; None when it has exited."""
-    try:
+    try:  # psutil has no thread group id (Tgid) of a thread
         with open(f"/proc/{tid}/status") as f:
             for line in f:
                 if line.startswith("Tgid:"):

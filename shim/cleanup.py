@@ -1,21 +1,28 @@
-"""Removing what a shim made, from persisted state alone (the daemon may be dead)."""
+"""Removing what a shim made, from persisted state alone (the daemon may be dead): its
+socket, its VM (found by the QMP socket on QEMU's command line), mounts and cgroups (from
+sandbox.json), its state directory."""
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+
+import psutil
+
+import cgroups
 
 from . import paths, shimstate
-from .mounts import unmount, unmount_all
-from .processes import is_our_shim, kill_and_wait
+from .mounts import mounts_under, unmount, unmount_all
+from .podstate import CgroupState, PodState, PodStateError, state_path
+from .processes import is_our_shim, kill_and_wait, start_time
 
 log = logging.getLogger("podvm.cleanup")
 
 
 def remove_shim_state(namespace: str, group: str, address: str | None) -> None:
     """The daemon's socket, its VM and mounts, and its state directory; a no-op for what
-    is already gone."""
-    from .sandbox import cleanup_from_state, remove_tree  # the VM machinery: only when needed
-
+    is already gone. A state file this podvm cannot read is kept, after what could be
+    removed without it was, and its PodStateError raised."""
     if address:
         try:
             os.unlink(paths.socket_path(address))
@@ -41,3 +48,61 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
         kill_and_wait(pid)
     remove_shim_state(namespace, group, state.get("address"))
     unmount(os.path.join(bundle, "rootfs"))
+
+
+def cleanup_from_state(state_dir: str) -> None:
+    """After a crash: kill the sandbox's QEMU and wait until it is gone, unmount
+    everything, then remove the cgroups (nothing of the VM is left to create threads
+    in them), from sandbox.json. Without a readable one, QEMU and the mounts under the
+    state directory still go; then its PodStateError is raised."""
+    try:
+        state: PodState | None = PodState.load(state_path(state_dir))
+        unreadable = None
+    except FileNotFoundError:  # nothing was ever booted
+        state, unreadable = None, None
+    except PodStateError as exc:
+        state, unreadable = None, exc
+    marker = state.qmp_socket if state is not None and state.qmp_socket else state_dir + "/"
+    qemus = set(qemus_of(marker))
+    if state is not None and state.qemu_start_time is not None and \
+            start_time(state.qemu_pid) == state.qemu_start_time:  # still the QEMU it was
+        qemus.add(state.qemu_pid)
+    for pid in sorted(qemus):
+        log.info("killing QEMU %d of sandbox %s", pid, os.path.basename(state_dir))
+        kill_and_wait(pid)
+    unmount_all(state_dir)
+    if unreadable is not None:
+        raise unreadable
+    if state is None:
+        return
+    for bundle_rootfs in state.rootfs.values():
+        unmount(bundle_rootfs)
+    destroy_cgroups(state.cgroup)
+
+
+def qemus_of(marker: str) -> list[int]:
+    """The QEMU processes with `marker` (the sandbox's QMP socket) in an argument of their
+    command line: also a QEMU started just before a crash, whose pid never reached
+    sandbox.json."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and "qemu" in os.path.basename(cmd[0]) and any(marker in a for a in cmd):
+            found.append(proc.pid)
+    return found
+
+
+def destroy_cgroups(state: CgroupState) -> None:
+    """The sandbox cgroup (and the shim's overhead cgroup), without probing the host."""
+    manager = cgroups.manager_from_state(dict(state.manager))
+    manager.destroy(state.layout)
+    if state.overhead is not None:
+        manager.destroy(state.overhead)
+
+
+def remove_tree(path: str) -> None:
+    """rmtree that never reaches through a mount into what it shares."""
+    left = mounts_under(path)
+    if left:
+        raise OSError(f"refusing to remove {path}: still mounted: {', '.join(left)}")
+    shutil.rmtree(path, ignore_errors=True)

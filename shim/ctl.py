@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 
-from . import __version__, config
+from . import __version__, config, status
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -27,8 +27,6 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from . import status  # the cgroup machinery, only for this command
-
     try:
         report = status.collect(status.find(args.sandbox, args.namespace or ""))
     except (status.StatusError, OSError, ValueError) as exc:

@@ -8,10 +8,15 @@ import asyncio
 import logging
 import os
 
+from google.protobuf.any_pb2 import Any
+
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
+from cgroups.procs import thread_ids
 
 from .hypervisor import VM, ThreadRole
+from .pod.planner import pod_cgroup_memory_mib
+from .podstate import CgroupState
 from .resources import SandboxPlan
 
 log = logging.getLogger("podvm.cgroup")
@@ -62,12 +67,10 @@ class HostCgroup:
         that it never holds up the removal of the pod cgroup kubelet made."""
         self._known_tids: frozenset[int] = frozenset()
 
-    def to_state(self) -> dict:
+    def state(self) -> CgroupState:
         """Written to sandbox.json before anything is created."""
-        state = {"manager": self.manager.to_state(), "layout": self.layout.to_state()}
-        if self.overhead is not None:
-            state["overhead"] = self.overhead.to_state()
-        return state
+        return CgroupState(manager=self.manager.to_state(), layout=self.layout,
+                           overhead=self.overhead)
 
     def create(self, plan: SandboxPlan) -> None:
         """The sandbox cgroup with the plan's limits, and the shim moved in (or into its
@@ -110,8 +113,8 @@ class HostCgroup:
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             try:
-                tids = frozenset(int(t) for t in os.listdir(f"/proc/{vm.pid}/task"))
-            except (FileNotFoundError, ProcessLookupError):
+                tids = frozenset(thread_ids(vm.pid))
+            except cgroups.ProcessGone:
                 return
             try:
                 await self.place_new(vm, ask_vm=tids != self._known_tids)
@@ -153,9 +156,9 @@ class HostCgroup:
     def metrics(self):
         """The sandbox cgroup's usage as containerd's cgroups Metrics (v1 or v2, as the
         host has), packed in an Any with containerd's type URL."""
-        from google.protobuf.any_pb2 import Any
-
         if isinstance(self.manager, cgroups.CgroupV2Manager):
+            # Only the host's version, at the first SandboxMetrics (containerd 2.x only):
+            # a running pod's daemon does not carry either otherwise.
             from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as v2
 
             d = self.manager.hierarchy.directory(self.layout.sandbox)
@@ -169,7 +172,7 @@ class HostCgroup:
             m.pids.limit = _int(os.path.join(d, "pids.max"))
             return Any(type_url="io.containerd.cgroups.v2.Metrics",
                        value=m.SerializeToString())
-        from podvm_core.pb.containerd.cgroups.v1 import metrics_pb2 as v1
+        from podvm_core.pb.containerd.cgroups.v1 import metrics_pb2 as v1  # as v2 above
 
         def path(controller: str, name: str) -> str:
             h = next(h for h in self.manager.hierarchies if controller in h.controllers)
@@ -200,14 +203,6 @@ class HostCgroup:
             self.manager.destroy(self.overhead)
 
 
-def destroy_from_state(state: dict) -> None:
-    """After a crash, from sandbox.json alone."""
-    manager = cgroups.manager_from_state(state["manager"])
-    manager.destroy(SandboxLayout.from_state(state["layout"]))
-    if state.get("overhead"):
-        manager.destroy(SandboxLayout.from_state(state["overhead"]))
-
-
 UNLIMITED_V1 = 1 << 62
 
 
@@ -230,8 +225,6 @@ def pod_cgroup_limits(cgroups_path: str) -> tuple[int, float]:
             if "cpu" in h.controllers:
                 quota = _read(os.path.join(h.directory(pod), "cpu.cfs_quota_us"))
                 period = _read(os.path.join(h.directory(pod), "cpu.cfs_period_us"))
-    from .pod.planner import pod_cgroup_memory_mib  # the one rounding rule (up)
-
     memory_mib = pod_cgroup_memory_mib(int(memory), 0) if memory.isdigit() and \
         int(memory) < UNLIMITED_V1 else 0
     cpus = int(quota) / int(period) if quota.isdigit() and period.isdigit() and \

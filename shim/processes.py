@@ -1,26 +1,40 @@
-"""Processes podvm started, seen from outside: their command line, whether one is ours,
-and killing one until nothing of it is left."""
+"""Processes podvm started, seen from outside: whether one is ours, when it started, and
+killing one until nothing of it is left. psutil: only `delete`, the daemon's exit and the
+VM machinery load this module, never `start` or an idle daemon."""
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
+
+import psutil
 
 log = logging.getLogger("podvm.processes")
 
-
-def cmdline(pid: int) -> bytes:
-    """The process's command line; empty when it is gone."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
+SHIM_BINARY = "containerd-shim-podvm-v2"
 
 
 def is_our_shim(pid: int) -> bool:
-    return b"containerd-shim-podvm-v2" in cmdline(pid)
+    try:
+        return any(SHIM_BINARY in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:  # gone, a zombie, or not ours to read
+        return False
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, which tells a live process from
+    a later one that got its pid; None when it is gone or a zombie."""
+    if pid <= 0:
+        return None
+    try:
+        # Not psutil's create_time(): it adds the boot time as the clock has it now, so the
+        # value moves when NTP steps the clock; this one is compared across processes/hours.
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 def kill_and_wait(pid: int, timeout: float = 30.0) -> None:
@@ -29,12 +43,13 @@ def kill_and_wait(pid: int, timeout: float = 30.0) -> None:
     dying leader shows as a zombie while its other threads are still exiting). A VMM
     with a large address space can take seconds to exit on a busy machine."""
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+        proc = psutil.Process(pid)
+        proc.kill()
+    except psutil.NoSuchProcess:
         return
     deadline = time.monotonic() + timeout
     delay = 0.001
-    while _alive(pid):
+    while _alive(proc):
         if time.monotonic() >= deadline:
             log.warning("process %d still exiting %.0fs after SIGKILL", pid, timeout)
             return
@@ -42,14 +57,13 @@ def kill_and_wait(pid: int, timeout: float = 30.0) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def _alive(pid: int) -> bool:
+def _alive(proc: psutil.Process) -> bool:
     """Some thread of it has not finished exiting (a zombie leader alone is done: its
     parent may never reap it)."""
     try:
-        threads = os.listdir(f"/proc/{pid}/task")
-        if threads != [str(pid)]:
+        threads = [t.id for t in proc.threads()]
+        if threads != [proc.pid]:
             return bool(threads)
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
+        return proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False

@@ -7,28 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
-import shutil
 import time
 
-from podvm_core.atomic import write_json
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 from . import guestspec, mounts, paths
 from .agent import Agent
+from .cleanup import remove_tree
 from .config import Config
-from .hostcgroup import HostCgroup, destroy_from_state, layout_for
 from .cpus import pinning
+from .hostcgroup import HostCgroup, layout_for
 from .hypervisor import VM, HypervisorError, ThreadRole, VMSpec
+from .hypervisor.qemu import QemuVM
 from .mounts import Mount
-from .processes import kill_and_wait
+from .podstate import PodState, VMReport, state_path
+from .processes import start_time
 from .resources import Host, PlanDelta, SandboxPlan
 
 log = logging.getLogger("podvm.sandbox")
-
-STATE_FILE = "sandbox.json"
 
 
 class Sandbox:
@@ -47,9 +45,8 @@ class Sandbox:
         self.vm_dir = os.path.join(self.dir, "vm")
         self.vm: VM | None = None
         self.agent: Agent | None = None
-        self._state: dict = {"sandbox_id": sandbox_id, "qemu_pid": 0, "rootfs": {},
-                             "cgroup": self.cgroup.to_state(), "plan": plan_state(plan),
-                             "vm": {}}
+        self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan)
+        """What is persisted in sandbox.json, replaced (and saved) by _record()."""
         self._watch: asyncio.Task | None = None
         self.vcpu_pins: list[frozenset[int]] = []
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
@@ -58,30 +55,29 @@ class Sandbox:
     def pid(self) -> int:
         return self.vm.pid if self.vm else 0
 
-    def _persist(self) -> None:
+    def _record(self, **changes) -> None:
+        """The state with `changes`, saved before the caller acts on it."""
+        self.state = dataclasses.replace(self.state, **changes)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        write_json(os.path.join(self.dir, STATE_FILE), self._state)
+        self.state.save(state_path(self.dir))
 
     async def boot(self) -> None:
         q = self.config.qemu
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
-        self._persist()
         spec = VMSpec(
             sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
             vcpus=self.plan.vcpus, max_vcpus=self.plan.max_vcpus,
             memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
             hypervisor=q, config_source=self.config.source)
-        from .hypervisor.qemu import QemuVM  # qemu.qmp is loaded only by a pod's first Create
-
         vm = QemuVM(spec)
+        self._record(qmp_socket=vm.qmp_socket)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
         self.vm = vm
         try:
             await self.vm.launch(preexec=self.cgroup.preexec())
-            self._state["qemu_pid"] = self.vm.pid
-            self._persist()
+            self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
             self.agent = Agent.of_vm(self.vm)
             await self.cgroup.place(self.vm)
             await self.pin()
@@ -107,12 +103,14 @@ class Sandbox:
         """What the guest reports it has and what QEMU says it gave (vCPUs present,
         memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
         shim holds its only connection)."""
-        vm = self._state["vm"]
-        vm.update(online_cpus=online_cpus, memory_total_mib=memory_total_bytes >> 20,
-                  at=time.time())
-        if qemu_size is not None:
-            vm["qemu_vcpus"], vm["qemu_memory_mib"] = qemu_size
-        self._persist()
+        before = self.state.vm
+        if qemu_size is None and before is not None:  # QEMU's last word still holds
+            qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
+        else:
+            qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
+        self._record(vm=VMReport(online_cpus=online_cpus,
+                                 memory_total_mib=memory_total_bytes >> 20, at=time.time(),
+                                 qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib))
 
     async def resize(self, delta: PlanDelta) -> None:
         """Carry out one step of the plan. A grow raises the cgroup limits first (new
@@ -171,8 +169,7 @@ class Sandbox:
                                self.config.runtime.enable_vcpus_pinning)
         pinning.apply(pins)
         self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
-        self._state["vcpu_pins"] = [format_cpu_list(p) for p in self.vcpu_pins]
-        self._persist()
+        self._record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
         if pins:
             log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
                      ", ".join(f"{i}->{format_cpu_list(p)}"
@@ -181,7 +178,7 @@ class Sandbox:
     async def _online(self, vcpus: int, added_mib: int) -> None:
         """Exactly `vcpus` online in the guest, and `added_mib` more memory."""
         assert self.agent is not None
-        before = self._state["vm"].get("memory_total_mib", 0) << 20
+        before = (self.state.vm.memory_total_mib if self.state.vm else 0) << 20
         info = await self.agent.online(
             cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
         assert self.vm is not None
@@ -195,8 +192,7 @@ class Sandbox:
 
     def record_plan(self, plan: SandboxPlan) -> None:
         self.plan = plan
-        self._state["plan"] = plan_state(plan)
-        self._persist()
+        self._record(plan=plan)
 
     def console_tail(self) -> str:
         return self.vm.console_tail() if self.vm else "(no VM)"
@@ -205,8 +201,8 @@ class Sandbox:
               binds: tuple[guestspec.HostBind, ...]) -> None:
         """Mount the container's rootfs on its bundle (as containerd expects) and bind it,
         with its other host files, into the shared directory. All or nothing."""
-        self._state["rootfs"][container_id] = os.path.join(bundle, "rootfs")
-        self._persist()
+        self._record(rootfs={**self.state.rootfs,
+                             container_id: os.path.join(bundle, "rootfs")})
         try:
             if rootfs:
                 if len(rootfs) != 1:
@@ -225,10 +221,10 @@ class Sandbox:
         container_dir = os.path.join(self.shared_dir, container_id)
         mounts.unmount_all(container_dir)
         remove_tree(container_dir)
-        bundle_rootfs = self._state["rootfs"].pop(container_id, None)
+        bundle_rootfs = self.state.rootfs.get(container_id)
         if bundle_rootfs:
             mounts.unmount(bundle_rootfs)
-        self._persist()
+        self._record(rootfs={c: r for c, r in self.state.rootfs.items() if c != container_id})
 
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
@@ -246,59 +242,12 @@ class Sandbox:
         if self.vm is not None:
             await self.vm.stop(timeout=5)
         self.cgroup.destroy()
-        for container_id in list(self._state["rootfs"]):
+        for container_id in list(self.state.rootfs):
             self.unshare(container_id)
         mounts.unmount_all(self.shared_dir)
         remove_tree(self.shared_dir)
         remove_tree(self.vm_dir)
-        self._state["qemu_pid"] = 0
-        self._persist()
-
-
-def plan_state(plan: SandboxPlan) -> dict:
-    return dataclasses.asdict(plan)
-
-
-def remove_tree(path: str) -> None:
-    """rmtree that never reaches through a mount into what it shares."""
-    left = mounts.mounts_under(path)
-    if left:
-        raise OSError(f"refusing to remove {path}: still mounted: {', '.join(left)}")
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def cleanup_from_state(state_dir: str) -> None:
-    """After a crash: kill the sandbox's QEMU and wait until it is gone, unmount
-    everything, then remove the cgroups (nothing of the VM is left to create threads
-    in them), from sandbox.json."""
-    try:
-        with open(os.path.join(state_dir, STATE_FILE)) as f:
-            state = json.load(f)
-    except (FileNotFoundError, ValueError):
-        state = {}
-    for pid in qemus_of(state_dir):
-        log.info("killing QEMU %d of sandbox %s", pid, state.get("sandbox_id"))
-        kill_and_wait(pid)
-    mounts.unmount_all(state_dir)
-    for bundle_rootfs in (state.get("rootfs") or {}).values():
-        mounts.unmount(bundle_rootfs)
-    if state.get("cgroup"):
-        destroy_from_state(state["cgroup"])
-
-
-def qemus_of(state_dir: str) -> list[int]:
-    """The QEMU processes of the sandbox whose state is in `state_dir`, found by the
-    QMP socket on their command line: also a QEMU started just before a crash, whose
-    pid never reached sandbox.json."""
-    import psutil  # delete's path only
-
-    marker = os.path.join(state_dir, "vm", "qmp.sock")
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if cmd and "qemu" in os.path.basename(cmd[0]) and any(marker in a for a in cmd):
-            found.append(proc.pid)
-    return found
+        self._record(qemu_pid=0, qemu_start_time=None)
 
 
 def host() -> Host:

@@ -5,15 +5,14 @@ VM's size, and Kubernetes' view of the pod beside the host's with differences fl
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import asdict
 
 import cgroups
-from cgroups import SandboxLayout
 
-from . import paths
-from .sandbox import STATE_FILE
+from . import paths, shimstate
+from .podstate import STATE_FILE, PodState, state_path
+from .processes import start_time
 
 MIB = 1 << 20
 
@@ -53,41 +52,40 @@ def thread_role(pid: int, tid: int, name: str, shim_pid: int) -> str:
 
 
 def collect(state_dir: str) -> dict:
-    with open(os.path.join(state_dir, STATE_FILE)) as f:
-        state = json.load(f)
-    shim_pid = 0
-    try:
-        with open(os.path.join(state_dir, "shim.json")) as f:
-            shim_pid = int(json.load(f).get("pid") or 0)
-    except (OSError, ValueError):
-        pass
-    report: dict = {"sandbox_id": state.get("sandbox_id"),
-                    "namespace": os.path.basename(os.path.dirname(state_dir)),
-                    "qemu_pid": state.get("qemu_pid"), "shim_pid": shim_pid,
-                    "plan": state.get("plan") or {}, "vm": state.get("vm") or {}}
+    state = PodState.load(state_path(state_dir))
+    namespace = os.path.basename(os.path.dirname(state_dir))
+    shim_pid = (shimstate.read(namespace, os.path.basename(state_dir)) or {}).get("pid")
+    shim_pid = shim_pid if isinstance(shim_pid, int) else 0
+    report: dict = {"sandbox_id": state.sandbox_id, "namespace": namespace,
+                    "qemu_pid": state.qemu_pid, "shim_pid": shim_pid,
+                    "qmp_socket": state.qmp_socket, "plan": asdict(state.plan),
+                    "vm": asdict(state.vm) if state.vm is not None else {}}
     outside: list[str] = []
-    cg_state = state.get("cgroup")
-    if cg_state:
-        sandbox = cgroups.SandboxCgroup.from_state(cg_state)
-        if state.get("qemu_pid"):
+    sandbox = cgroups.SandboxCgroup(cgroups.manager_from_state(dict(state.cgroup.manager)),
+                                    state.cgroup.layout)
+    if state.qemu_pid:
+        started = start_time(state.qemu_pid)  # another than recorded: a later process's pid
+        gone = started is None or state.qemu_start_time not in (None, started)
+        if not gone:
             try:
-                sandbox.adopt_process(state["qemu_pid"])
+                sandbox.adopt_process(state.qemu_pid)
             except cgroups.ProcessGone:
-                outside.append(f"QEMU {state['qemu_pid']} has exited")
+                gone = True
             except cgroups.NotInSandbox as exc:
                 outside.append(str(exc))
-        back = sandbox.read_back()
-        report["cgroup"] = {
-            "version": back.version, "path": back.sandbox,
-            "controllers": sorted(back.controllers),
-            "limits": asdict(back.limits),
-            "threads": [dict(tid=t.tid, pid=t.pid, name=t.name,
-                             role=thread_role(t.pid, t.tid, t.name, shim_pid),
-                             location=t.location, cgroups=dict(t.cgroups))
-                        for t in back.threads],
-        }
-        layout = SandboxLayout.from_state(cg_state["layout"])
-        report["cgroup"]["pod_cgroup"] = layout.pod_cgroup
+        if gone:
+            outside.append(f"QEMU {state.qemu_pid} has exited")
+    back = sandbox.read_back()
+    report["cgroup"] = {
+        "version": back.version, "path": back.sandbox,
+        "controllers": sorted(back.controllers),
+        "limits": asdict(back.limits),
+        "threads": [dict(tid=t.tid, pid=t.pid, name=t.name,
+                         role=thread_role(t.pid, t.tid, t.name, shim_pid),
+                         location=t.location, cgroups=dict(t.cgroups))
+                    for t in back.threads],
+        "pod_cgroup": state.cgroup.layout.pod_cgroup,
+    }
     report["differences"] = outside + differences(report)
     return report
 

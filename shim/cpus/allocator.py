@@ -18,6 +18,7 @@ from typing import Iterable, Iterator, Mapping
 
 from podvm_core.atomic import write_json
 
+from ..processes import start_time
 from .cpuset import SYS_CPU, core_siblings, format_cpu_list, online_cpus, parse_cpu_list
 
 DEFAULT_DIR = "/run/podvm/cpus"
@@ -33,22 +34,6 @@ class AllocatorError(Exception):
 
 class NoFreeCPUs(AllocatorError):
     """A reservation that does not fit: the message has the numbers and the holders."""
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22),
-    which tells a live owner from a new process that got its pid; None when it is gone
-    or a zombie."""
-    if pid <= 0:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
 
 
 def choose(free: Iterable[int], count: int,

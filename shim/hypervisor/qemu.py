@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 
+import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from podvm_core.protocol import AGENT_PORT
@@ -246,8 +247,8 @@ class QemuVM(VM):
         }
         known = {tid for tids in roles.values() for tid in tids}
         try:
-            tasks = [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
-        except FileNotFoundError:
+            tasks = [t.id for t in psutil.Process(self.pid).threads()]
+        except psutil.NoSuchProcess:
             raise (await self.exited(grace=2)) or HypervisorError("QEMU is gone") from None
         roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
         return roles

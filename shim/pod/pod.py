@@ -9,20 +9,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
 from podvm_core.cpulist import parse_cpu_list
 from podvm_core.ttrpc import Code, TtrpcError
 
+import cgroups
+
 from .. import config, errors, guestspec
+from ..cpus.allocator import Allocator, AllocatorError
+from ..cpus.pinning import guest_cpus_for_update
+from ..hostcgroup import pod_cgroup_limits
 from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
+from ..resources.model import from_linux_resources
+from ..sandbox import Sandbox, host
 from .planner import PodPlanner, parse_linux_resources
 
 if TYPE_CHECKING:
     from ..agent import Agent
-    from ..sandbox import Sandbox
     from ..stdio import Stdio
 
 log = logging.getLogger("podvm.pod")
@@ -71,9 +79,6 @@ class Pod:
                               spec: dict) -> Pod:
         """The pod of a sandbox container (the Task API), planned from its OCI spec and
         the pod cgroup kubelet made above its cgroupsPath."""
-        from ..hostcgroup import pod_cgroup_limits
-        from ..sandbox import host
-
         cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
         memory_mib, cpus = pod_cgroup_limits(cgroups_path)
         planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
@@ -108,10 +113,6 @@ class Pod:
     async def boot(self) -> None:
         """Reserve the pod's CPUs (exclusive mode), plan, boot the VM, start watching it.
         Nothing is left behind when it fails."""
-        import cgroups  # the VM machinery loads with a pod's first Create
-
-        from ..sandbox import Sandbox
-
         allocator = self._reserve_cpus()
         try:
             self.planner.boot = planned(self.planner.plan)
@@ -160,8 +161,6 @@ class Pod:
             listener.vm_stopped()
 
     async def _kill_all(self, agent: Agent, grace: float) -> None:
-        import signal
-
         containers = sorted(self.placed)  # it shrinks as their exits come in
         for container_id in containers:
             try:
@@ -185,8 +184,6 @@ class Pod:
         """Re-plan with the container's resources (the sandbox container's are the
         pod's), share its files, create it in the guest. All or nothing.
         `holder`: the container whose Create booted the VM."""
-        from ..resources.model import from_linux_resources
-
         assert self.sandbox is not None
         if not holder:
             resources = from_linux_resources((spec.get("linux") or {}).get("resources") or {})
@@ -261,8 +258,6 @@ class Pod:
         sandbox, planner = self.sandbox, self.planner
         if sandbox is None:
             return
-        import cgroups
-
         async with self._applying:
             containers, base = dict(planner.containers), totals
             if container_id is None:
@@ -352,8 +347,6 @@ class Pod:
         if not cpuset:
             return None
 
-        from ..cpus.pinning import guest_cpus_for_update
-
         # Every vCPU when nothing maps (vCPUs floating): a cpuset set earlier in the guest
         # would otherwise stay, narrower than the container's CPUs now allow.
         return guest_cpus_for_update(parse_cpu_list(cpuset), self.sandbox.vcpu_pins) or None
@@ -380,8 +373,6 @@ class Pod:
         (an integral CPU request), or the shared pool. The allocator, or None."""
         if self.config.runtime.cpu_reservation != "exclusive":
             return None
-        from ..cpus.allocator import Allocator, AllocatorError
-
         allocator = Allocator(reserved=self.config.runtime.reserved_cpus)
         count = self.planner.exclusive_request()
         if not count:
@@ -438,8 +429,6 @@ class Pod:
     async def status(self) -> dict[str, str]:
         """The plan in force, and what QEMU and the guest say now (JSON values), for
         SandboxStatus(verbose)."""
-        from dataclasses import asdict
-
         info = {"plan": json.dumps(asdict(self.plan))}
         sandbox = self.sandbox
         if sandbox is None or sandbox.vm is None:

@@ -1,13 +1,12 @@
 """Real mounts: rootfs, binds of files and directories, unmount_all, refusing rmtree."""
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 
 from shim import mounts
-from shim.sandbox import remove_tree
+from shim.cleanup import remove_tree
 from tests.conftest import require_root
 
 
