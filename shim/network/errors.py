@@ -12,6 +12,7 @@ class NetworkError(Exception):
         self.netns = netns
         self.interface = interface
         self.step = step
+        self.cause = cause
 
 
 class NamespaceGone(NetworkError):

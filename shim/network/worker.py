@@ -1,0 +1,68 @@
+"""The process that speaks netlink for a pod's shim: `python -m shim.network.worker`.
+
+The daemon never loads pyroute2 (about 18 MB of RSS and 0.12 s, for every pod, for what
+is done twice in a pod's life). It runs this worker instead, once to attach and once to
+detach: the worker does the work in the pod's namespace and answers on the socket it
+inherited, one message of JSON, with the taps' and vhost-net's descriptors attached
+(SCM_RIGHTS) when it attached. It exits at once: its copies of the descriptors close, the
+shim's keep the taps alive until QEMU has its own.
+
+usage: python -m shim.network.worker --socket FD attach NETNS
+       python -m shim.network.worker --socket FD detach NETNS [TAP ...]"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import socket
+import sys
+
+from .attach import attach
+from .detach import detach
+from .errors import NamespaceGone, NetworkError
+from .read import read_network
+
+
+def answer_error(exc: NetworkError) -> dict:
+    return {"error": {"interface": exc.interface, "step": exc.step, "cause": exc.cause,
+                      "gone": isinstance(exc, NamespaceGone)}}
+
+
+async def _attach(netns: str) -> tuple[dict, list[int]]:
+    network = await read_network(netns)
+    nics = await attach(network)
+    fds: list[int] = []
+    for nic in nics:
+        fds.extend(nic.fds)
+    return {"network": dataclasses.asdict(network),
+            "nics": [{"index": n.index, "interface": n.interface, "tap": n.tap,
+                      "mac": n.mac, "mtu": n.mtu, "vhost": n.vhost_fd is not None}
+                     for n in nics]}, fds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shim.network.worker",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--socket", type=int, required=True,
+                        help="the inherited AF_UNIX socket to answer on")
+    parser.add_argument("op", choices=("attach", "detach"))
+    parser.add_argument("netns", help="the pod's network namespace (a path)")
+    parser.add_argument("taps", nargs="*", help="detach: the tap names the pod recorded")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.socket)
+    fds: list[int] = []
+    try:
+        if args.op == "attach":
+            reply, fds = asyncio.run(_attach(args.netns))
+        else:
+            asyncio.run(detach(args.netns, args.taps))
+            reply = {"ok": True}
+    except NetworkError as exc:
+        reply = answer_error(exc)
+    socket.send_fds(sock, [json.dumps(reply).encode()], fds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The daemon's way in: attach and detach through the worker process, which alone loads
+pyroute2. The descriptors cross the process boundary and keep the tap alive."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shim.network import remote
+from shim.network.errors import NamespaceGone, NetworkError
+from shim.network.read import read_network
+from tests.network.conftest import POD_MAC, Namespace
+from tests.network.test_attach import assert_nothing_of_podvm
+
+
+async def test_attach_in_a_worker_hands_back_live_taps(pod: Namespace) -> None:
+    network, nics = await remote.attach(pod.path)
+    try:
+        assert network == await read_network(pod.path)
+        (nic,) = nics
+        assert (nic.interface, nic.tap, nic.mac, nic.mtu) == ("eth0", "tap0_podvm", POD_MAC, 1400)
+        # The worker has exited: only our descriptor keeps the (non-persistent) tap.
+        assert os.readlink(f"/proc/self/fd/{nic.tap_fd}") == "/dev/net/tun"
+        assert "tap0_podvm" in pod.links()
+        assert pod.ingress_filters("eth0") and pod.ingress_filters("tap0_podvm")
+    finally:
+        for nic in nics:
+            nic.close()
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+    await remote.detach(pod.path, ["tap0_podvm"])  # twice: nothing to do
+
+
+async def test_worker_errors_come_back_typed(pod: Namespace) -> None:
+    pod.ip("link", "add", "tap0_podvm", "type", "bridge")  # in the way of podvm's tap
+    with pytest.raises(NetworkError, match="tap0_podvm") as err:
+        await remote.attach(pod.path)
+    assert err.value.netns == pod.path and err.value.interface == "eth0"
+    pod.ip("link", "delete", "tap0_podvm")
+    assert_nothing_of_podvm(pod)
+    with pytest.raises(NamespaceGone):
+        await remote.attach("/var/run/netns/podvm-no-such-namespace")
+    await remote.detach("/var/run/netns/podvm-no-such-namespace")  # gone: nothing to do
+
+
+def test_the_daemon_side_never_loads_pyroute2() -> None:
+    code = ("import sys, shim.network.remote, shim.network.model; "
+            "print(sorted(m for m in sys.modules if m.startswith('pyroute2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
