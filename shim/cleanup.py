@@ -13,6 +13,8 @@ import cgroups
 
 from . import paths, shimstate
 from .mounts import mounts_under, unmount, unmount_all
+from .network import remote
+from .network.errors import NetworkError
 from .podstate import CgroupState, PodState, PodStateError, state_path
 from .processes import is_our_shim, kill_and_wait, start_time
 
@@ -77,7 +79,15 @@ def cleanup_from_state(state_dir: str) -> None:
         return
     for bundle_rootfs in state.rootfs.values():
         unmount(bundle_rootfs)
+    failed = None
+    if state.netns:
+        try:
+            remote.detach_now(state.netns, state.taps)
+        except NetworkError as exc:  # the cgroups still go
+            failed = exc
     destroy_cgroups(state.cgroup)
+    if failed is not None:
+        raise failed
 
 
 def qemus_of(marker: str) -> list[int]:

@@ -78,9 +78,7 @@ def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None) 
     namespaces = []
     for ns in linux.get("namespaces") or []:
         if ns.get("type") == "network":
-            if ns.get("path"):
-                dropped.append(f"network namespace {ns['path']} (pod networking comes later)")
-            continue
+            continue  # the pod's interfaces are the VM's: containers use the guest's network
         if ns.get("path"):  # the pod's namespace, held by the sandbox container's init
             ns = {"type": ns.get("type"), "path": SANDBOX_NS}
         namespaces.append(ns)

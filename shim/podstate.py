@@ -17,6 +17,7 @@ from podvm_core.atomic import write_json
 
 from cgroups import CgroupError, SandboxLayout
 
+from .network.model import PodNetwork
 from .resources import SandboxPlan
 
 STATE_FILE = "sandbox.json"
@@ -70,6 +71,13 @@ class PodState:
     vcpu_pins: tuple[str, ...] = ()
     """Host CPUs of each vCPU by index (CPU lists; empty: floating)."""
     vm: VMReport | None = None
+    netns: str = ""
+    """The pod's network namespace (containerd's; "" for none): recorded before anything
+    is done in it, so that `delete` can undo podvm's taps and redirects there."""
+    network: PodNetwork | None = None
+    """What CNI configured in it, as bridged into the VM."""
+    taps: tuple[str, ...] = ()
+    """podvm's taps in the namespace."""
     version: int = VERSION
 
     def __post_init__(self) -> None:

@@ -22,6 +22,9 @@ from .hostcgroup import HostCgroup, layout_for
 from .hypervisor import VM, HypervisorError, ThreadRole, VMSpec
 from .hypervisor.qemu import QemuVM
 from .mounts import Mount
+from .network import remote
+from .network.errors import NetworkError
+from .network.model import TapNic
 from .podstate import PodState, VMReport, state_path
 from .processes import start_time
 from .resources import Host, PlanDelta, SandboxPlan
@@ -31,10 +34,12 @@ log = logging.getLogger("podvm.sandbox")
 
 class Sandbox:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
-                 plan: SandboxPlan, cgroups_path: str = "") -> None:
+                 plan: SandboxPlan, cgroups_path: str = "", netns: str = "") -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
-        the sandbox cgroup goes under its parent, the pod cgroup."""
+        the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
+        network namespace, whose interfaces become the VM's ("": the VM has none)."""
         self.id = sandbox_id
+        self.netns = netns
         self.config = config
         self.plan = plan
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
@@ -71,12 +76,19 @@ class Sandbox:
             memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
             hypervisor=q, config_source=self.config.source)
         vm = QemuVM(spec)
-        self._record(qmp_socket=vm.qmp_socket)
+        self._record(qmp_socket=vm.qmp_socket, netns=self.netns)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
         self.vm = vm
         try:
-            await self.vm.launch(preexec=self.cgroup.preexec())
+            if self.netns:
+                nics = await self._attach_network()
+                self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
+            try:
+                await self.vm.launch(preexec=self.cgroup.preexec())
+            finally:
+                for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
+                    nic.close()
             self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
             self.agent = Agent.of_vm(self.vm)
             await self.cgroup.place(self.vm)
@@ -97,6 +109,17 @@ class Sandbox:
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+
+    async def _attach_network(self) -> tuple[TapNic, ...]:
+        """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
+        caller's to hand to QEMU and close."""
+        network, nics = await remote.attach(self.netns)
+        self._record(network=network, taps=tuple(n.tap for n in nics))
+        for itf in network.interfaces:
+            log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,
+                     itf.name, itf.mac, itf.mtu, ", ".join(map(str, itf.addresses)) or
+                     "no address")
+        return nics
 
     def record_vm(self, online_cpus: int, memory_total_bytes: int,
                   qemu_size: tuple[int, int] | None = None) -> None:
@@ -241,6 +264,12 @@ class Sandbox:
             self._watch = None
         if self.vm is not None:
             await self.vm.stop(timeout=5)
+        if self.state.netns:
+            try:
+                await remote.detach(self.state.netns, self.state.taps)
+                self._record(taps=())
+            except NetworkError as exc:  # the rest still goes; delete tries again
+                log.error("sandbox %s: %s", self.id, exc)
         self.cgroup.destroy()
         for container_id in list(self.state.rootfs):
             self.unshare(container_id)

@@ -24,7 +24,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 # pod's machinery is imported here at the top: a sandbox is about to need it.
 from . import config
 from .pod.planner import PodPlanner, parse_linux_resources, pod_cgroup_memory_mib, pod_resources
-from .pod.pod import Pod, planned
+from .pod.pod import HOST_NETWORK_REFUSAL, Pod, planned
 from .pod.slot import VM_GONE_STATUS, PodSlot
 from .sandbox import host
 
@@ -108,11 +108,14 @@ class SandboxService:
         except config.ConfigError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm configuration: {exc}") from None
         pod_config = _pod_config(req.options) or cri.PodSandboxConfig()
+        if pod_config.linux.security_context.namespace_options.network == cri.NODE:
+            raise TtrpcError(Code.INVALID_ARGUMENT, HOST_NETWORK_REFUSAL)
         annotations = {**pod_config.annotations, **req.annotations}
         planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
                                                             host()))
         pod = Pod(self.namespace, req.sandbox_id, cfg, planner,
-                  _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id))
+                  _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id),
+                  req.netns_path)
         pod.listen(self)
         self.slot.take(pod)
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod

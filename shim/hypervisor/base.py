@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import QemuConfig
+from ..network.model import TapNic
 
 
 class HypervisorError(Exception):
@@ -55,6 +56,8 @@ class VMSpec:
     hypervisor: QemuConfig
     config_source: str = ""
     """Which configuration file set these, for error messages."""
+    nics: tuple[TapNic, ...] = ()
+    """The pod's interfaces, bridged to taps whose descriptors QEMU inherits."""
 
 
 class VM(abc.ABC):

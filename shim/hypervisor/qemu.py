@@ -97,6 +97,7 @@ class QemuVM(VM):
                       "multidevs=remap",
             "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}",
             "-pidfile", os.path.join(s.workdir, "qemu.pid"),
+            *(arg for nic in s.nics for arg in nic.qemu_args()),
         ]
 
     def check_files(self) -> None:
@@ -125,7 +126,8 @@ class QemuVM(VM):
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                start_new_session=True, preexec_fn=preexec)
+                start_new_session=True, preexec_fn=preexec,
+                pass_fds=[fd for nic in self.spec.nics for fd in nic.fds])
         except OSError as exc:
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         finally:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import sys
 
 from .errors import NamespaceGone, NetworkError
@@ -52,27 +53,50 @@ def network_from_json(data: dict) -> PodNetwork:
         routes=tuple(Route(**r) for r in data["routes"]))
 
 
+def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
+    """detach() for code without an event loop (`delete` after a crash)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours:
+        try:
+            done = subprocess.run(_argv(theirs, "detach", netns, *taps),
+                                  pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        finally:
+            theirs.close()
+        _answer(ours, "detach", netns, done.returncode, done.stderr)
+
+
 async def _run(op: str, netns: str, *args: str) -> tuple[dict, list[int]]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "shim.network.worker", "--socket",
-                str(theirs.fileno()), op, netns, *args, pass_fds=(theirs.fileno(),),
+                *_argv(theirs, op, netns, *args), pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE)
         finally:
             theirs.close()
         _, stderr = await proc.communicate()
-        ours.setblocking(False)
-        try:
-            data, fds, _, _ = socket.recv_fds(ours, MAX_REPLY, MAX_FDS)
-        except BlockingIOError:
-            data, fds = b"", []
+        return _answer(ours, op, netns, proc.returncode, stderr)
+
+
+def _argv(sock: socket.socket, op: str, netns: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "shim.network.worker", "--socket", str(sock.fileno()),
+            op, netns, *args]
+
+
+def _answer(sock: socket.socket, op: str, netns: str, status: int | None,
+            stderr: bytes) -> tuple[dict, list[int]]:
+    """The worker's one message (it has exited), or its NetworkError raised."""
+    sock.setblocking(False)
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_REPLY, MAX_FDS)
+    except BlockingIOError:
+        data, fds = b"", []
     if not data:
         tail = stderr.decode(errors="replace").strip().splitlines()[-5:]
         raise NetworkError(netns, f"{op} (network worker)",
-                           f"exited with status {proc.returncode} without answering"
+                           f"exited with status {status} without answering"
                            + (": " + " | ".join(tail) if tail else ""))
     reply = json.loads(data)
     error = reply.get("error")

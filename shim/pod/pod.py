@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("podvm.pod")
 
 
+HOST_NETWORK_REFUSAL = (
+    "podvm runs the pod in a VM, which gets the pod's own network namespace bridged "
+    "into it: a pod on the host's network (hostNetwork: true, network namespace NODE) "
+    "cannot be; run it with runc")
+
+
 class StaticRefusal(Exception):
     """Growth a static-mode VM cannot take: refused, after what fits was applied.
     shim/errors.py answers it FAILED_PRECONDITION."""
@@ -54,10 +60,13 @@ class PodListener(Protocol):
 
 class Pod:
     def __init__(self, namespace: str, sandbox_id: str, cfg: config.Config,
-                 planner: PodPlanner, cgroups_path: str = "") -> None:
+                 planner: PodPlanner, cgroups_path: str = "", netns: str = "") -> None:
         """`cgroups_path`: where the sandbox container's cgroup would be (either syntax);
-        the sandbox cgroup goes under its parent, the pod cgroup."""
+        the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
+        network namespace as containerd made it (CNI's interfaces in it become the VM's);
+        "" for a pod with a network of its own and no interface."""
         self.namespace = namespace
+        self.netns = netns
         self.id = sandbox_id
         self.config = cfg
         self.planner = planner
@@ -79,10 +88,15 @@ class Pod:
                               spec: dict) -> Pod:
         """The pod of a sandbox container (the Task API), planned from its OCI spec and
         the pod cgroup kubelet made above its cgroupsPath."""
-        cgroups_path = (spec.get("linux") or {}).get("cgroupsPath") or ""
+        linux = spec.get("linux") or {}
+        cgroups_path = linux.get("cgroupsPath") or ""
+        netns = next((ns.get("path") or "" for ns in linux.get("namespaces") or []
+                      if ns.get("type") == "network"), None)
+        if netns is None:
+            raise TtrpcError(Code.INVALID_ARGUMENT, HOST_NETWORK_REFUSAL)
         memory_mib, cpus = pod_cgroup_limits(cgroups_path)
         planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
-        return cls(namespace, sandbox_id, cfg, planner, cgroups_path)
+        return cls(namespace, sandbox_id, cfg, planner, cgroups_path, netns)
 
     def listen(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -118,7 +132,7 @@ class Pod:
             self.planner.boot = planned(self.planner.plan)
             try:
                 sandbox = Sandbox(self.namespace, self.id, self.config, self.planner.boot,
-                                  self.cgroups_path)
+                                  self.cgroups_path, self.netns)
             except cgroups.CgroupError as exc:
                 raise errors.to_ttrpc(exc, f"cgroup of sandbox {self.id}") from None
             for line in sandbox.plan.explanation:

@@ -49,8 +49,10 @@ def spec(args: list[str], terminal: bool = False, memory: int | None = None) -> 
             {"destination": "/sys", "type": "sysfs", "source": "sysfs",
              "options": ["nosuid", "noexec", "nodev", "ro"]},
         ],
+        # A network of its own (no path: no interface), as `ctr run` gives; none at all
+        # would be the host's network, which podvm refuses.
         "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"},
-                                 {"type": "mount"}],
+                                 {"type": "mount"}, {"type": "network"}],
                   "resources": resources},
     }
 

@@ -51,3 +51,12 @@ def test_the_daemon_side_never_loads_pyroute2() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+async def test_detach_without_a_loop_for_delete(pod: Namespace) -> None:
+    _, nics = await remote.attach(pod.path)
+    for nic in nics:
+        nic.close()
+    remote.detach_now(pod.path, ["tap0_podvm"])
+    assert_nothing_of_podvm(pod)
+    remote.detach_now(pod.path, ["tap0_podvm"])

@@ -68,8 +68,7 @@ class Pod:
                      sandbox_id: str | None = None, **annotations: str
                      ) -> sb.CreateSandboxResponse:
         req = sb.CreateSandboxRequest(sandbox_id=self.id if sandbox_id is None else sandbox_id,
-                                      bundle_path=str(self.bundle),
-                                      netns_path="/var/run/netns/cni-test")
+                                      bundle_path=str(self.bundle))
         if config is not None:
             req.options.Pack(config)
         req.annotations.update(annotations)

@@ -197,3 +197,15 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     assert not os.path.exists(pod.address.removeprefix("unix://"))
     assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
     assert not cgroup_exists(pod.parent)
+
+
+async def test_a_pod_on_the_host_network_is_refused_before_anything_boots(pod) -> None:
+    config = pod.config()
+    config.linux.security_context.namespace_options.network = 2  # NODE: hostNetwork
+    with pytest.raises(TtrpcError) as err:
+        await pod.create(config)
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "host's network" in err.value.message and "runc" in err.value.message
+    assert not cgroup_exists(pod.sandbox_cgroup)
+    # Nothing was taken: the same sandbox on a network of its own is created.
+    await pod.create(pod.config())

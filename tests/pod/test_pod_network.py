@@ -1,0 +1,35 @@
+"""Which network a Task-API pod gets, from its sandbox container's spec: the namespace
+containerd made (CNI's interfaces become the VM's), one of its own with no interface, or
+the host's, which a VM cannot have and which is refused before anything is made."""
+from __future__ import annotations
+
+import pytest
+
+from podvm_core.ttrpc import Code, TtrpcError
+from shim import config
+from shim.pod.pod import Pod
+
+
+def sandbox_spec(*namespaces: dict) -> dict:
+    return {"ociVersion": "1.0.2",
+            "annotations": {"io.kubernetes.cri.container-type": "sandbox"},
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, *namespaces]}}
+
+
+def test_the_cni_namespace_is_the_pods_network() -> None:
+    spec = sandbox_spec({"type": "network", "path": "/var/run/netns/cni-1234"})
+    pod = Pod.for_sandbox_container("k8s.io", "sb", config.Config(), spec)
+    assert pod.netns == "/var/run/netns/cni-1234"
+
+
+def test_a_new_namespace_without_path_is_a_pod_without_interfaces() -> None:
+    pod = Pod.for_sandbox_container("k8s.io", "sb", config.Config(),
+                                    sandbox_spec({"type": "network"}))
+    assert pod.netns == ""
+
+
+def test_the_host_network_is_refused() -> None:
+    with pytest.raises(TtrpcError) as err:
+        Pod.for_sandbox_container("k8s.io", "sb", config.Config(), sandbox_spec())
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "hostNetwork" in err.value.message
