@@ -11,7 +11,7 @@ GUEST_BUILD := build/guest
 
 # Debian packages: the runtime's own needs, then what the tests add.
 RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86
-TEST_DEBS := $(RUNTIME_DEBS) busybox-static
+TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2
 
 STAMP := $(VENV)/.podvm-installed
 SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)

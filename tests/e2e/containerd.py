@@ -4,7 +4,9 @@ registered, stopped and cleaned up afterwards.
 With `cri=True` it also serves the CRI (what kubelet and crictl speak) with two runtimes:
 `runc` (the default) and `podvm`, the latter built from the packaged snippet
 packaging/containerd/config-v2.toml so that the snippet users install is the one tested.
-Pods use the node's network (no CNI here) and a locally built pause image.
+Pods use a locally built pause image, and either the node's network or a private CNI
+bridge network (tests/e2e/bridgenet.py) that this containerd's stop() removes, when the
+machine has the CNI plugins.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 import tomllib
 import uuid
 
-from . import image
+from . import bridgenet, image
 
 SHIM_BIN_DIR = pathlib.Path(sys.executable).parent  # the venv with containerd-shim-podvm-v2
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,6 +46,8 @@ class Containerd:
         self.config = workdir / "config.toml"
         self.log_path = workdir / "containerd.log"
         self.cni_dir = workdir / "cni"
+        # Pods on the POD network get this (made by start() when the machine can).
+        self.network: bridgenet.BridgeNetwork | None = None
         self.process: subprocess.Popen | None = None
         # Tests' pods go under a cgroup parent of their own (LinuxPodSandboxConfig
         # .cgroup_parent), which stop() removes: without one, runc leaves /k8s.io in every
@@ -94,10 +98,10 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
   stream_server_address = "127.0.0.1"
   stream_server_port = "{_free_port()}"
 
-  # No CNI: test pods use the node's network. Private, empty directories so that the
-  # system's CNI configuration is neither read nor needed.
+  # Our own network configuration only (never the system's): the private bridge
+  # network, or none (an empty directory) on a machine without the CNI plugins.
   [plugins."{CRI_PLUGIN}".cni]
-    bin_dir = "{self.cni_dir / 'bin'}"
+    bin_dir = "{bridgenet.CNI_BIN_DIR if self.network else self.cni_dir / 'bin'}"
     conf_dir = "{self.cni_dir / 'net.d'}"
 
   [plugins."{CRI_PLUGIN}".containerd]
@@ -113,6 +117,16 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
 
     def start(self, timeout: float = 30) -> "Containerd":
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.cri and self.network is None and not bridgenet.missing_prerequisites():
+            self.network = bridgenet.create(self.cni_dir)
+            bridgenet.write_conflist(self.network, self.cni_dir / "net.d")
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self._remove_network()
+            raise
+
+    def _start(self, timeout: float) -> "Containerd":
         self.config.write_text(self.config_text())
         self._cgroups_before = set(cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace))
         env = dict(os.environ, PATH=f"{SHIM_BIN_DIR}:{os.environ.get('PATH', '')}")
@@ -214,9 +228,18 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
         for mount in reversed(mounts_under(self.workdir)):
             subprocess.run(["umount", "-l", mount], check=False)
         self._remove_cgroups()
+        self.forced += self._remove_network()
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.state, ignore_errors=True)
         shutil.rmtree(self.cni_dir, ignore_errors=True)
+
+    def _remove_network(self) -> list[str]:
+        """The bridge network and what CNI left of it (pods removed through the CRI
+        leave nothing: what had to go here is returned)."""
+        if self.network is None:
+            return []
+        network, self.network = self.network, None
+        return bridgenet.remove(network)
 
     def _remove_cgroups(self) -> None:
         """Our pods' cgroup parent, and the per-namespace parents runc made for containers

@@ -92,3 +92,14 @@ def test_json_configs_in_either_spelling(tmp_path) -> None:
     msg = cli.load_message(str(path), api_pb2.PodSandboxConfig())
     assert msg.log_directory == "/l"
     assert msg.linux.security_context.namespace_options.network == api_pb2.NODE
+
+
+def test_inspectp_prints_the_pod_network_as_crictl_does() -> None:
+    from podvm_core.pb.cri import api_pb2
+
+    status = api_pb2.PodSandboxStatus(id="p", network=api_pb2.PodSandboxNetworkStatus(
+        ip="10.1.2.3", additional_ips=[api_pb2.PodIP(ip="fd00::3")]))
+    out = json.loads(cli.status_info(status, {"info": '{"pid": 1}'}))
+    assert out["status"]["network"] == {"ip": "10.1.2.3",
+                                        "additionalIps": [{"ip": "fd00::3"}]}
+    assert out["info"] == {"pid": 1}

@@ -1,0 +1,217 @@
+"""Pods on a CNI bridge network through the CRI, as a user of crictl sees them: a pod
+serves HTTP to another pod and to the host, `inspectp` reports the address the pod's eth0
+has, and removed pods leave nothing on the bridge, in host-local or in CNI's cache.
+
+The test containerd's network (tests/e2e/bridgenet.py): bridge + host-local on a private
+/24, no default route, no masquerade; all traffic stays between its bridge and the pods.
+Every test runs per runtime handler: runc proves the harness, podvm is expected to fail
+until pod networking is wired (strict: it fails the run once it passes).
+Every test runs with the real crictl too: CRICTL=/path/to/crictl.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+import tomllib
+
+import pytest
+
+from tests.conftest import require, require_root, require_tool
+from tests.vmconfig import GUEST, guest_image, write_test_config
+
+from . import bridgenet
+from .containerd import Containerd, shims_of
+from .cri import Crictl, write_config
+from .netpods import (fetch_from_host, fetch_from_pod, httpd_script, interface_addresses,
+                      pod_ip, pod_network_config, routes, url, wait_for_port)
+from .test_crictl import container_config
+
+RUNTIMES = ["runc", pytest.param("podvm", marks=pytest.mark.xfail(
+    strict=True, reason="pod networking not wired yet"))]
+PAGE = "hello from pod A over the bridge"
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    require_root()
+    for tool in ("containerd", "ctr", "containerd-shim-runc-v2"):
+        require_tool(tool, "containerd")
+    require_tool("runc", "runc")
+    require_tool("busybox", "busybox-static")
+    missing = bridgenet.missing_prerequisites()
+    require(not missing, ", ".join(missing))
+    workdir = tmp_path_factory.mktemp("net")
+    # podvm's pods need the guest image; runc's tests run without it.
+    has_guest = shutil.which("qemu-system-x86_64") and (GUEST / "vmlinux").is_file() \
+        and (GUEST / "initrd.img").is_file()
+    podvm_config = write_test_config(workdir / "podvm.toml") if has_guest else None
+    c = Containerd(workdir / "containerd", namespace="podvm-net-test", cri=True,
+                   podvm_config=podvm_config)
+    c.start()
+    try:
+        assert c.network is not None
+        c.import_cri_images(image_cache)
+        yield c
+    finally:
+        network = c.network
+        c.stop()
+    assert c.forced == [], f"stop() had to force: {c.forced}"
+    assert shims_of(c.address) == []
+    assert network is not None
+    assert network.bridge not in bridgenet.link_names()
+    assert network.cache_files() == []
+    assert not c.cni_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def crictl(ctd) -> Crictl:
+    return Crictl(ctd.cri_endpoint, timeout="120s")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("net-configs")
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def runtime(request) -> str:
+    if request.param == "podvm":
+        guest_image()
+    return request.param
+
+
+class Pods:
+    """Pods one test (or fixture) runs; `remove` stops and removes every one."""
+
+    def __init__(self, crictl: Crictl, ctd: Containerd, configs: pathlib.Path,
+                 runtime: str) -> None:
+        self.crictl, self.ctd, self.configs, self.runtime = crictl, ctd, configs, runtime
+        self.ids: list[str] = []
+
+    def run(self, name: str, script: str) -> tuple[str, str]:
+        """A pod named `name` on the POD network with one container running `script`:
+        (pod id, container id)."""
+        name = f"{name}-{self.runtime}"
+        pod_file = write_config(self.configs, f"pod-{name}.json",
+                                pod_network_config(self.ctd, self.configs, name))
+        pod_id = self.crictl.runp(pod_file, runtime=self.runtime)
+        self.ids.append(pod_id)
+        cfile = write_config(self.configs, f"{name}-c.json", container_config(name, script))
+        cid = self.crictl.create(pod_id, cfile, pod_file)
+        self.crictl.start(cid)
+        return pod_id, cid
+
+    def remove(self, pod_id: str) -> None:
+        self.crictl.run("stopp", pod_id)
+        self.crictl.run("rmp", pod_id)
+        self.ids.remove(pod_id)
+
+    def remove_all(self) -> None:
+        for pod_id in list(self.ids):
+            self.crictl.run("stopp", pod_id, check=False)
+            self.crictl.run("rmp", pod_id, check=False)
+        self.ids.clear()
+
+
+@pytest.fixture(scope="module")
+def served(ctd, crictl, configs, runtime):
+    """Pod A serving PAGE over HTTP, pod B idle, both on the bridge."""
+    pods = Pods(crictl, ctd, configs, runtime)
+    try:
+        a_pod, a = pods.run("a", httpd_script(PAGE))
+        b_pod, b = pods.run("b", "sleep 1000")
+        wait_for_port(crictl, a)
+        yield {"a_pod": a_pod, "a": a, "b_pod": b_pod, "b": b}
+    finally:
+        pods.remove_all()
+
+
+def test_inspectp_reports_the_address_of_the_pods_eth0(ctd, crictl, served) -> None:
+    ip = ipaddress.IPv4Address(pod_ip(crictl, served["a_pod"]))
+    assert ip in ctd.network.subnet and ip != ctd.network.gateway
+    assert [str(i.ip) for i in interface_addresses(crictl, served["a"])] == [str(ip)]
+    assert pod_ip(crictl, served["b_pod"]) != str(ip)
+
+
+def test_pod_routes_stay_on_the_bridge(ctd, crictl, served) -> None:
+    """Only the subnet and the private /16 through the gateway: no default route."""
+    table = routes(crictl, served["a"])
+    assert not [r for r in table if r.startswith("default")], table
+    assert any(r.startswith(f"{ctd.network.subnet} dev eth0") for r in table), table
+    assert f"{ctd.network.routed} via {ctd.network.gateway} dev eth0" in table, table
+
+
+def test_pod_fetches_a_page_from_another_pod(crictl, served) -> None:
+    target = url(pod_ip(crictl, served["a_pod"]))
+    assert fetch_from_pod(crictl, served["b"], target) == PAGE + "\n"
+
+
+def test_host_fetches_a_page_from_a_pod(crictl, served) -> None:
+    assert fetch_from_host(url(pod_ip(crictl, served["a_pod"]))) == PAGE + "\n"
+
+
+def test_removed_pod_leaves_no_network_behind(ctd, crictl, configs, runtime) -> None:
+    network = ctd.network
+    ports_before = set(network.ports())
+    pods = Pods(crictl, ctd, configs, runtime)
+    try:
+        pod_id, cid = pods.run("gone", httpd_script(PAGE))
+        ip = pod_ip(crictl, pod_id)
+        netns = crictl.inspectp(pod_id)["info"]["runtimeSpec"]["linux"]["namespaces"]
+        netns_path = next(n["path"] for n in netns if n["type"] == "network")
+        wait_for_port(crictl, cid)
+        assert fetch_from_host(url(ip)) == PAGE + "\n"  # it was on the network
+        veths = set(network.ports()) - ports_before
+        assert len(veths) == 1, f"the pod's veth on {network.bridge}: {veths}"
+        assert ip in network.allocated()
+        assert os.path.exists(netns_path)
+        pods.remove(pod_id)
+    finally:
+        pods.remove_all()
+    assert not veths & bridgenet.link_names()
+    assert ip not in network.allocated(), "host-local still holds the pod's address"
+    assert not os.path.exists(netns_path)
+    assert [f for f in network.cache_files() if pod_id in f] == []
+
+
+def test_exec_timeout_ends_a_command_that_hangs(ctd, crictl, configs) -> None:
+    """What bounds every fetch from a pod: `exec --timeout` ends the command (the
+    harness's own check, on runc only)."""
+    pods = Pods(crictl, ctd, configs, "runc")
+    try:
+        _, cid = pods.run("hang", "sleep 1000")
+        started = time.monotonic()
+        r = crictl.exec(cid, "sleep", "600", timeout=2)
+        elapsed = time.monotonic() - started
+    finally:
+        pods.remove_all()
+    assert r.exit_code != 0 and "timeout" in r.raw.stderr, r
+    assert elapsed < 30, f"exec --timeout 2 took {elapsed:.1f}s"
+
+
+def test_containerd_uses_only_its_private_network(ctd) -> None:
+    """The harness's configuration: our conflist alone, the bridge plugin on a bridge of
+    this containerd's, no masquerade, no default route; the host keeps the pods' /16 to
+    itself."""
+    cni = tomllib.loads(ctd.config.read_text())["plugins"]["io.containerd.grpc.v1.cri"]["cni"]
+    assert cni["bin_dir"] == str(bridgenet.CNI_BIN_DIR)
+    conflists = list(pathlib.Path(cni["conf_dir"]).iterdir())
+    assert [p.name for p in conflists] == ["10-podvm-test.conflist"]
+    conf = json.loads(conflists[0].read_text())
+    assert [p["type"] for p in conf["plugins"]] == ["loopback", "bridge"]
+    bridge = conf["plugins"][1]
+    assert bridge["bridge"] == ctd.network.bridge and len(bridge["bridge"]) <= 15
+    assert (bridge["isGateway"], bridge["ipMasq"], bridge["hairpinMode"]) == (True, False, True)
+    assert not bridge.get("isDefaultGateway")
+    ipam = bridge["ipam"]
+    assert ipam["type"] == "host-local"
+    assert pathlib.Path(ipam["dataDir"]).is_relative_to(ctd.workdir)
+    assert [r["dst"] for r in ipam["routes"]] == [str(ctd.network.routed)]
+    host = subprocess.run(["ip", "-4", "route", "show", str(ctd.network.routed)],
+                          capture_output=True, text=True, check=True).stdout
+    assert host.split()[:2] == ["unreachable", str(ctd.network.routed)], host
