@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.procstate import Lifecycle
 from podvm_core.ttrpc import Code, TtrpcError
 
 from . import runc
@@ -17,17 +18,14 @@ from .streams import Stream
 
 
 @dataclass(eq=False)
-class Process:
-    container_id: str
-    exec_id: str
-    pid: int = 0
+class Process(Lifecycle):
+    """A process in the guest, in the states the shim keeps it in (procstate): created
+    until runc starts it, running, paused with its container, stopped once reaped."""
+
     stdin: Stream | None = None
     stdout: Stream | None = None
     stderr: Stream | None = None
     pty: Stream | None = None
-    exit_status: int | None = None
-    exited_at_ns: int = 0
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
     killed_by: int = 0
     """The signal the agent sent a namespace holder (holder.py), for its exit status."""
 
@@ -38,10 +36,8 @@ class Process:
 
     def follow(self) -> None:
         """Record the exit when the reaper sees it."""
-        def done(future: asyncio.Future[int]) -> None:
-            self.exit_status, self.exited_at_ns = future.result(), time.time_ns()
-            self.exited.set()
-        REAPER.watch(self.pid).add_done_callback(done)
+        REAPER.watch(self.pid).add_done_callback(
+            lambda future: self.set_exited(future.result(), time.time_ns()))
 
     def close(self) -> None:
         for s in (self.stdin, self.stdout, self.stderr, self.pty):
@@ -80,7 +76,7 @@ class Stdio:
 
     def __enter__(self) -> "Stdio":
         if self.want.terminal:
-            import tempfile
+            import tempfile  # only for a terminal: the agent boots without it
 
             self._tmp = tempfile.mkdtemp(prefix="console-", dir="/run")
             self.console_path = os.path.join(self._tmp, "sock")
@@ -128,7 +124,7 @@ class Stdio:
         if self.console is not None:
             self.console.close()
         if self._tmp:
-            import shutil
+            import shutil  # only for a terminal: the agent boots without it
 
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -181,8 +177,10 @@ async def exec_process(container: Container, exec_id: str, process: dict,
         json.dump(process, f)
     proc = Process(container.id, exec_id)
     try:
-        await _spawn(proc, container.id, ["exec", "--detach", "--process", process_file,
-                                          "--pid-file", pid_file, container.id], want, pid_file)
+        async with proc.acting("start"):
+            await _spawn(proc, container.id, ["exec", "--detach", "--process", process_file,
+                                              "--pid-file", pid_file, container.id], want,
+                         pid_file)
     finally:
         for path in (process_file, pid_file):
             try:

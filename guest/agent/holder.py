@@ -26,7 +26,8 @@ CGROUP = "/sys/fs/cgroup/podvm"
 
 async def start(container_id: str) -> Process:
     """The holder, running, as the init process of `container_id` (in its own cgroup
-    /podvm/<id>, so that stats, pause and removal work as for any container)."""
+    /podvm/<id>, so that stats, pause and removal work as for any container). Its state
+    is still created: StartContainer moves it on as it would a runc container."""
     argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT]
     parent = os.posix_spawn(BUSYBOX, argv, {"PATH": "/bin"})
     proc = Process(container_id, "")
@@ -35,9 +36,7 @@ async def start(container_id: str) -> Process:
         # unshare outlives the shell by a moment and passes its status on; a signal the
         # agent sent is reported as runc's shim would (128 + n).
         status = future.result()
-        proc.exit_status = 128 + proc.killed_by if proc.killed_by else status
-        proc.exited_at_ns = time.time_ns()
-        proc.exited.set()
+        proc.set_exited(128 + proc.killed_by if proc.killed_by else status, time.time_ns())
 
     REAPER.watch(parent).add_done_callback(exited)
     deadline = time.monotonic() + 5

@@ -10,6 +10,7 @@ import time
 from google.protobuf.empty_pb2 import Empty
 
 from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.procstate import finished
 from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from . import containers, holder, oci, resources, runc
@@ -81,21 +82,25 @@ class AgentService:
     async def StartContainer(self, req: pb.StartContainerRequest,
                              ctx: Context) -> pb.StartContainerResponse:
         container = self._container(req.container_id)
-        if not container.holder:  # a holder runs from its creation
-            await runc.runc(req.container_id, "start", req.container_id)
+        async with container.init.acting("start"):
+            if not container.holder:  # a holder runs from its creation
+                await runc.runc(req.container_id, "start", req.container_id)
         return pb.StartContainerResponse(pid=container.init.pid)
 
     async def ExecProcess(self, req: pb.ExecProcessRequest,
                           ctx: Context) -> pb.ExecProcessResponse:
+        """A new process in a running container; its init's lock is held meanwhile, so
+        that the container is neither paused nor removed under it."""
         container = self._container(req.container_id)
-        if req.exec_id in container.execs:
-            raise TtrpcError(Code.ALREADY_EXISTS, f"exec {req.exec_id} exists")
         try:
             process = json.loads(req.process_json)
         except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"process is not JSON: {exc}") from None
-        proc = await containers.exec_process(container, req.exec_id, process, req.stdio)
-        container.execs[req.exec_id] = proc
+        async with container.init.acting("exec"):
+            if req.exec_id in container.execs:
+                raise TtrpcError(Code.ALREADY_EXISTS, f"exec {req.exec_id} exists")
+            proc = await containers.exec_process(container, req.exec_id, process, req.stdio)
+            container.execs[req.exec_id] = proc
         return pb.ExecProcessResponse(pid=proc.pid)
 
     async def SignalProcess(self, req: pb.SignalProcessRequest, ctx: Context) -> Empty:
@@ -105,26 +110,23 @@ class AgentService:
         also after its init has exited: workers may outlive it."""
         container = self._container(req.container_id)
         proc = container.process(req.exec_id)
-        finished = TtrpcError(Code.NOT_FOUND, f"process {proc.pid} of {req.container_id}: "
-                                              f"process already finished")
-        if proc.exited.is_set() and not (req.all and not req.exec_id and
-                                         not container.holder):
-            raise finished
-        try:
-            if req.exec_id:
-                os.kill(proc.pid, req.signal)
-            elif container.holder:
-                holder.signal(proc, req.signal)
-            else:
-                args = ["kill", *(["--all"] if req.all else []), req.container_id,
-                        str(req.signal)]
-                await runc.runc(req.container_id, *args)
-        except ProcessLookupError:
-            raise finished from None
-        except TtrpcError as exc:
-            if exc.code == Code.NOT_FOUND or runc.not_running(exc.message):
-                raise finished from None
-            raise
+        every = req.all and not req.exec_id and not container.holder
+        async with proc.acting("kill_all" if every else "kill"):
+            try:
+                if req.exec_id:
+                    os.kill(proc.pid, req.signal)
+                elif container.holder:
+                    holder.signal(proc, req.signal)
+                else:
+                    args = ["kill", *(["--all"] if req.all else []), req.container_id,
+                            str(req.signal)]
+                    await runc.runc(req.container_id, *args)
+            except ProcessLookupError:
+                raise finished(proc.name, proc.state) from None
+            except TtrpcError as exc:
+                if exc.code == Code.NOT_FOUND or runc.not_running(exc.message):
+                    raise finished(proc.name, proc.state) from None
+                raise
         return Empty()
 
     async def WaitProcess(self, req: pb.WaitProcessRequest,
@@ -150,46 +152,55 @@ class AgentService:
         return pb.ContainerStatsResponse(metrics=resources.metrics(req.container_id))
 
     async def UpdateContainer(self, req: pb.UpdateContainerRequest, ctx: Context) -> Empty:
-        if self._container(req.container_id).holder:
-            return Empty()  # holds namespaces, uses nothing worth limiting
-        path = os.path.join(runc.bundle_dir(req.container_id), "update.json")
-        with open(path, "wb") as f:
-            f.write(req.resources_json)
-        await runc.runc(req.container_id, "update", "--resources", path, req.container_id)
+        container = self._container(req.container_id)
+        async with container.init.acting("update"):
+            if container.holder:
+                return Empty()  # holds namespaces, uses nothing worth limiting
+            path = os.path.join(runc.bundle_dir(req.container_id), "update.json")
+            with open(path, "wb") as f:
+                f.write(req.resources_json)
+            await runc.runc(req.container_id, "update", "--resources", path, req.container_id)
         return Empty()
 
     async def PauseContainer(self, req: pb.PauseContainerRequest, ctx: Context) -> Empty:
-        if self._container(req.container_id).holder:
-            _freeze(req.container_id, True)
-            return Empty()
-        await runc.runc(req.container_id, "pause", req.container_id)
+        container = self._container(req.container_id)
+        async with container.init.acting("pause"):
+            if container.holder:
+                _freeze(req.container_id, True)
+            else:
+                await runc.runc(req.container_id, "pause", req.container_id)
         return Empty()
 
     async def ResumeContainer(self, req: pb.ResumeContainerRequest, ctx: Context) -> Empty:
-        if self._container(req.container_id).holder:
-            _freeze(req.container_id, False)
-            return Empty()
-        await runc.runc(req.container_id, "resume", req.container_id)
+        container = self._container(req.container_id)
+        async with container.init.acting("resume"):
+            if container.holder:
+                _freeze(req.container_id, False)
+            else:
+                await runc.runc(req.container_id, "resume", req.container_id)
         return Empty()
 
     async def RemoveContainer(self, req: pb.RemoveContainerRequest, ctx: Context) -> Empty:
+        """Only a container whose init was never started or has exited: the shim kills
+        first (a holder, which runs from its creation, is killed here)."""
         container = self._container(req.container_id)
-        if container.holder:
-            if not container.init.exited.is_set():
-                holder.signal(container.init, 9)
-                await container.init.exited.wait()
-            holder.remove_cgroup(req.container_id)
-        else:
-            try:
-                await runc.runc(req.container_id, "delete", "--force", req.container_id)
-            except TtrpcError as exc:
-                if exc.code != Code.NOT_FOUND:
-                    raise
-        for proc in (container.init, *container.execs.values()):
-            proc.close()
-        del self.containers[req.container_id]
+        async with container.init.acting("delete"):
+            if container.holder:
+                if not container.init.exited.is_set():
+                    holder.signal(container.init, 9)
+                    await container.init.exited.wait()
+                holder.remove_cgroup(req.container_id)
+            else:
+                try:
+                    await runc.runc(req.container_id, "delete", "--force", req.container_id)
+                except TtrpcError as exc:
+                    if exc.code != Code.NOT_FOUND:
+                        raise
+            for proc in (container.init, *container.execs.values()):
+                proc.close()
+            del self.containers[req.container_id]
         self._oom_counts.pop(req.container_id, None)
-        import shutil
+        import shutil  # only now: every import before the agent serves costs boot time
 
         shutil.rmtree(runc.bundle_dir(req.container_id), ignore_errors=True)
         for leftover in (runc.log_path(req.container_id),):
@@ -233,7 +244,7 @@ class AgentService:
         proc = self._container(req.container_id).process(req.exec_id)
         if proc.pty is None:
             raise TtrpcError(Code.FAILED_PRECONDITION, "the process has no terminal")
-        import fcntl
+        import fcntl  # only for a terminal: the agent boots without these
         import struct
         import termios
         fcntl.ioctl(proc.pty.fd, termios.TIOCSWINSZ,

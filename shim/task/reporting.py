@@ -12,7 +12,7 @@ from podvm_core.ttrpc import TtrpcError
 
 from ..events import Publisher
 from ..pod.slot import VM_GONE_STATUS, PodSlot
-from .process import Container, Process, State
+from .process import Container, Process
 
 log = logging.getLogger("podvm.task")
 
@@ -47,9 +47,8 @@ class Reporter:
 
     def exited(self, proc: Process, status: int, at_ns: int) -> None:
         """`proc` ended with `status`: containerd hears it once."""
-        if proc.state is State.STOPPED:
+        if not proc.set_exited(status, at_ns):
             return
-        proc.set_exited(status, at_ns)
         if not proc.exec_id and self._slot.pod is not None:
             self._slot.pod.container_stopped(proc.container_id)
         event = events.TaskExit(container_id=proc.container_id,
@@ -70,5 +69,5 @@ class Reporter:
         now = time.time_ns()
         for container in list(containers):
             for proc in (container.init, *container.execs.values()):
-                if proc.state in (State.CREATED, State.RUNNING, State.PAUSED):
+                if proc.state.live:
                     self.exited(proc, status, now)

@@ -14,6 +14,7 @@ from google.protobuf.empty_pb2 import Empty
 from podvm_core.pb.containerd.events import task_pb2 as events
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.task_pb2 import ProcessInfo
+from podvm_core.procstate import CREATED, STOPPED
 from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from .. import __version__, paths
@@ -23,7 +24,7 @@ from ..pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ..stdio import ProcessIO, Stdio
 from .bundle import load_config, read_bundle
 from .reporting import Reporter
-from .process import Container, Process, State
+from .process import Container, Process, status_of
 
 if TYPE_CHECKING:
     from ..hypervisor import HypervisorError
@@ -155,7 +156,7 @@ class TaskService:
         proc = container.process(req.exec_id)
         response = api.StateResponse(
             id=req.id, exec_id=req.exec_id, bundle=container.bundle, pid=proc.pid,
-            status=proc.state.status, stdin=proc.stdin, stdout=proc.stdout,
+            status=status_of(proc.state), stdin=proc.stdin, stdout=proc.stdout,
             stderr=proc.stderr, terminal=proc.terminal, exit_status=proc.exit_status)
         if proc.exited_at_ns:
             response.exited_at.FromNanoseconds(proc.exited_at_ns)
@@ -171,7 +172,7 @@ class TaskService:
         container = self._container(req.id)
         proc = container.process(req.exec_id)
         async with proc.acting("delete"):
-            if proc.state is State.CREATED and not req.exec_id:  # runc's init waits in the guest
+            if proc.state is CREATED and not req.exec_id:  # runc's init waits in the guest
                 with contextlib.suppress(TtrpcError):
                     await self._agent().signal(req.id, "", 9, True)
                 proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
@@ -202,15 +203,15 @@ class TaskService:
         on its way here); `all` to a stopped container still reaches the processes that
         outlived its init."""
         proc = self._process(req.id, req.exec_id)
-        if not (req.all and not req.exec_id and proc.state is State.STOPPED):
-            async with proc.acting("kill"):
+        async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
+            leftovers = proc.state is STOPPED
+            try:
                 await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
-            return Empty()
-        try:
-            await self._agent().signal(req.id, "", req.signal, True)
-        except TtrpcError as exc:
-            raise TtrpcError(Code.NOT_FOUND, f"{proc.name}: process already finished "
-                                             f"({exc.message})") from None
+            except TtrpcError as exc:
+                if not leftovers:
+                    raise
+                raise TtrpcError(Code.NOT_FOUND, f"{proc.name}: process already finished "
+                                                 f"({exc.message})") from None
         return Empty()
 
     async def Exec(self, req: api.ExecProcessRequest, ctx: Context) -> Empty:
@@ -241,7 +242,7 @@ class TaskService:
 
     async def CloseIO(self, req: api.CloseIORequest, ctx: Context) -> Empty:
         proc = self._process(req.id, req.exec_id)
-        proc.check("closeio")
+        proc.check("close_io")
         if req.stdin and proc.io is not None:
             await proc.io.close_stdin()
         return Empty()

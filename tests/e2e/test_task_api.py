@@ -135,11 +135,17 @@ def codes(results: list) -> list:
 async def test_concurrent_calls_on_one_process_have_one_winner(shim) -> None:
     """containerd serves nothing one at a time: two Starts, a Kill beside a Delete, two
     Deletes of one process arrive together. Exactly one of each pair acts, the other
-    gets the code containerd expects, and State and the events stay consistent."""
+    gets the code containerd expects, and State and the events stay consistent. Every
+    round reuses the same container ids: one the host or the guest had not forgotten
+    would make the next round's Create fail."""
+    cid, idle = "race", "race-idle"
+    shared = pathlib.Path(f"/run/podvm/{NS}/sb/shared")
     for i in range(RACE_ROUNDS):
-        cid = f"race-{i}"
-        fifos = Fifos(shim["tmp"], cid)
-        await create(shim, cid, workload_bundle(shim, cid, args=["sleep", "1000"]), fifos)
+        room = shim["tmp"] / f"round-{i}"
+        room.mkdir()
+        here = {**shim, "tmp": room}
+        await create(shim, cid, workload_bundle(here, cid, args=["sleep", "1000"]),
+                     Fifos(room, cid))
         started = await both(shim, "Start", api.StartRequest(id=cid), api.StartResponse)
         assert codes(started) == ["FAILED_PRECONDITION", "OK"], started
         assert (await call(shim, "State", api.StateRequest(id=cid))).status == 2  # running
@@ -156,10 +162,24 @@ async def test_concurrent_calls_on_one_process_have_one_winner(shim) -> None:
             assert codes(gone) == ["NOT_FOUND", "OK"], gone
         else:  # the exit was in before Delete looked: it deleted the killed process
             assert deleted.exit_status == 137, deleted
-        with pytest.raises(TtrpcError) as err:
-            await call(shim, "State", api.StateRequest(id=cid))
-        assert err.value.code == Code.NOT_FOUND
-        async with asyncio.timeout(30):
-            while cid not in shim["deleted"]:
-                await asyncio.sleep(0.05)
-        assert shim["deleted"].count(cid) == 1
+
+        # never started: two Deletes and a Kill at once (Delete kills it in the guest)
+        await create(shim, idle, workload_bundle(here, idle, args=["sleep", "1000"]),
+                     Fifos(room, idle))
+        *gone, killed = await asyncio.gather(
+            call(shim, "Delete", api.DeleteRequest(id=idle), api.DeleteResponse),
+            call(shim, "Delete", api.DeleteRequest(id=idle), api.DeleteResponse),
+            call(shim, "Kill", api.KillRequest(id=idle, signal=9)), return_exceptions=True)
+        assert codes(gone) == ["NOT_FOUND", "OK"], gone
+        assert next(g for g in gone if not isinstance(g, TtrpcError)).exit_status == 137
+        assert codes([killed]) in (["OK"], ["NOT_FOUND"]), killed  # before or after
+
+        for name in (cid, idle):
+            with pytest.raises(TtrpcError) as err:
+                await call(shim, "State", api.StateRequest(id=name))
+            assert err.value.code == Code.NOT_FOUND
+            async with asyncio.timeout(30):
+                while shim["deleted"].count(name) < i + 1:
+                    await asyncio.sleep(0.05)
+            assert shim["deleted"].count(name) == i + 1
+        assert sorted(os.listdir(shared)) == ["sb"]  # no container's files left shared

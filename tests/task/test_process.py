@@ -19,14 +19,14 @@ from google.protobuf.message import Message
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, Context, TtrpcError
-from shim.task.process import Container, Process, State
+from podvm_core.procstate import CREATED, PAUSED, RUNNING, STOPPED, ProcessState
+from shim.task.process import Container, Process
 from shim.task.service import TaskService
 
 CTX = Context("containerd.task.v2.Task", "x")
 CID, EID, NEW_EID = "ctr-7", "exec-3", "exec-new"
 PID = 4242
 EXIT, EXITED_AT = 3, 1_700_000_000_123_456_789
-CREATED, RUNNING, PAUSED, STOPPED = State.CREATED, State.RUNNING, State.PAUSED, State.STOPPED
 FP, NF = Code.FAILED_PRECONDITION, Code.NOT_FOUND
 
 # containerd.v1.types.Status numbers, as protocol.md section 3 lists them.
@@ -58,7 +58,7 @@ PER_PROCESS = ["Start", "Kill", "Delete", "ResizePty", "CloseIO", "Wait", "State
 
 # The container's init process, as the runc shim answers. Kill of a finished process is
 # NOT_FOUND ("process already finished"): CRI takes that as already stopped.
-INIT_REFUSED: dict[tuple[str, State], Code] = {
+INIT_REFUSED: dict[tuple[str, ProcessState], Code] = {
     ("Start", RUNNING): FP, ("Start", PAUSED): FP, ("Start", STOPPED): FP,
     ("Kill", STOPPED): NF,
     ("Pause", CREATED): FP, ("Pause", PAUSED): FP, ("Pause", STOPPED): FP,
@@ -67,7 +67,7 @@ INIT_REFUSED: dict[tuple[str, State], Code] = {
     ("Exec", PAUSED): FP, ("Exec", STOPPED): FP,
     ("Update", STOPPED): FP,
 }
-INIT_NEEDS_VM: set[tuple[str, State]] = {
+INIT_NEEDS_VM: set[tuple[str, ProcessState]] = {
     ("Start", CREATED),
     ("Kill", CREATED), ("Kill", RUNNING), ("Kill", PAUSED),
     ("Pause", RUNNING), ("Resume", PAUSED),
@@ -75,13 +75,13 @@ INIT_NEEDS_VM: set[tuple[str, State]] = {
     ("Update", CREATED), ("Update", RUNNING), ("Update", PAUSED),
 }
 # An exec process (created by Exec, running after Start, stopped once it exited).
-EXEC_REFUSED: dict[tuple[str, State], Code] = {
+EXEC_REFUSED: dict[tuple[str, ProcessState], Code] = {
     ("Start", RUNNING): FP, ("Start", STOPPED): FP,
     ("Kill", STOPPED): NF,
     ("Delete", RUNNING): FP,
     ("ResizePty", STOPPED): FP,
 }
-EXEC_NEEDS_VM: set[tuple[str, State]] = {
+EXEC_NEEDS_VM: set[tuple[str, ProcessState]] = {
     ("Start", CREATED), ("Kill", RUNNING), ("ResizePty", CREATED), ("ResizePty", RUNNING),
 }
 # Not asserted here, where the runc shim answers otherwise: Exec in a created container,
@@ -103,7 +103,7 @@ class Events:
         return [topic for topic, _ in self.published]
 
 
-def process(exec_id: str, state: State) -> Process:
+def process(exec_id: str, state: ProcessState) -> Process:
     """A process in `state` the way the service gets it there: a stopped one has exited,
     so its Wait is released."""
     proc = Process(CID, exec_id=exec_id, pid=PID,
@@ -113,7 +113,7 @@ def process(exec_id: str, state: State) -> Process:
     return proc
 
 
-def pod(init: State, exec_state: State | None = None) -> tuple[TaskService, Events]:
+def pod(init: ProcessState, exec_state: ProcessState | None = None) -> tuple[TaskService, Events]:
     """A VM-less service holding container CID (init in `init`) and, when asked, its
     exec EID in `exec_state`."""
     events = Events()
@@ -125,7 +125,7 @@ def pod(init: State, exec_state: State | None = None) -> tuple[TaskService, Even
     return svc, events
 
 
-def pod_for(exec_id: str, state: State) -> tuple[TaskService, Events]:
+def pod_for(exec_id: str, state: ProcessState) -> tuple[TaskService, Events]:
     """The init in `state`, or (exec_id given) a running container whose exec is."""
     return pod(RUNNING, state) if exec_id else pod(state)
 
@@ -163,14 +163,14 @@ async def no_vm(svc: TaskService) -> tuple[Code, str]:
     return err.value.code, err.value.message
 
 
-def _call(case: tuple[str, State]) -> str:
+def _call(case: tuple[str, ProcessState]) -> str:
     """Test id of an (rpc, state) case."""
-    return f"{case[0]}-{case[1].value}"
+    return f"{case[0]}-{case[1].name}"
 
 
-def _id(case: tuple[str, State]) -> str:
+def _id(case: tuple[str, ProcessState]) -> str:
     """Test id of an (exec id, state) case."""
-    return f"{'exec' if case[0] else 'init'}-{case[1].value}"
+    return f"{'exec' if case[0] else 'init'}-{case[1].name}"
 
 
 # (exec id, state): the init in each of its states, an exec in each of its own (an exec
@@ -183,7 +183,7 @@ EVERY = LIVE + [("", STOPPED), (EID, STOPPED)]
 
 
 @pytest.mark.parametrize("case", sorted(INIT_REFUSED, key=_call), ids=_call)
-async def test_init_call_refused_in_state(case: tuple[str, State]) -> None:
+async def test_init_call_refused_in_state(case: tuple[str, ProcessState]) -> None:
     """containerd sees the code it acts on, a message naming the container and why, and
     the task exactly as it was."""
     rpc, state = case
@@ -192,13 +192,13 @@ async def test_init_call_refused_in_state(case: tuple[str, State]) -> None:
     err = await error_of(svc, rpc, "")
     assert err.code == INIT_REFUSED[case], err
     assert CID in err.message
-    assert (state.value if err.code == FP else "finished") in err.message, err.message
+    assert (state.name if err.code == FP else "finished") in err.message, err.message
     assert await observe(svc) == before
     assert events.published == []
 
 
 @pytest.mark.parametrize("case", sorted(EXEC_REFUSED, key=_call), ids=_call)
-async def test_exec_call_refused_in_state(case: tuple[str, State]) -> None:
+async def test_exec_call_refused_in_state(case: tuple[str, ProcessState]) -> None:
     """The same for an exec: the message names the exec and its container."""
     rpc, state = case
     svc, events = pod(RUNNING, state)
@@ -206,7 +206,7 @@ async def test_exec_call_refused_in_state(case: tuple[str, State]) -> None:
     err = await error_of(svc, rpc, EID)
     assert err.code == EXEC_REFUSED[case], err
     assert CID in err.message and EID in err.message
-    assert (state.value if err.code == FP else "finished") in err.message, err.message
+    assert (state.name if err.code == FP else "finished") in err.message, err.message
     assert await observe(svc) == before
     assert events.published == []
 
@@ -235,7 +235,7 @@ async def test_unknown_exec_is_not_found(rpc: str) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(INIT_NEEDS_VM, key=_call), ids=_call)
-async def test_init_call_legal_in_state_goes_to_the_vm(case: tuple[str, State]) -> None:
+async def test_init_call_legal_in_state_goes_to_the_vm(case: tuple[str, ProcessState]) -> None:
     """The state lets the call through: with no VM behind the service it answers what
     any call needing the guest agent answers (as Pids does), and nothing changes."""
     rpc, state = case
@@ -248,7 +248,7 @@ async def test_init_call_legal_in_state_goes_to_the_vm(case: tuple[str, State]) 
 
 
 @pytest.mark.parametrize("case", sorted(EXEC_NEEDS_VM, key=_call), ids=_call)
-async def test_exec_call_legal_in_state_goes_to_the_vm(case: tuple[str, State]) -> None:
+async def test_exec_call_legal_in_state_goes_to_the_vm(case: tuple[str, ProcessState]) -> None:
     rpc, state = case
     svc, events = pod(RUNNING, state)
     before = await observe(svc)
@@ -259,7 +259,7 @@ async def test_exec_call_legal_in_state_goes_to_the_vm(case: tuple[str, State]) 
 
 
 @pytest.mark.parametrize("case", EVERY, ids=_id)
-async def test_state_reports_the_status(case: tuple[str, State]) -> None:
+async def test_state_reports_the_status(case: tuple[str, ProcessState]) -> None:
     """State answers in every state with containerd's Status number; a stopped process
     also with its exit status and time."""
     exec_id, state = case
@@ -284,7 +284,7 @@ async def test_wait_on_a_stopped_process_returns_its_exit(exec_id: str) -> None:
 
 
 @pytest.mark.parametrize("case", LIVE, ids=_id)
-async def test_wait_on_a_live_process_returns_when_it_exits(case: tuple[str, State]) -> None:
+async def test_wait_on_a_live_process_returns_when_it_exits(case: tuple[str, ProcessState]) -> None:
     """Wait blocks while the process lives and answers its exit (here the VM's death,
     which ends every process of the pod); State and the exit event agree."""
     exec_id, state = case
@@ -331,8 +331,8 @@ async def test_delete_of_a_created_container_forgets_it() -> None:
         assert err.code == NF and CID in err.message, (rpc, err)
 
 
-@pytest.mark.parametrize("state", [CREATED, STOPPED], ids=lambda s: s.value)
-async def test_delete_of_an_exec_forgets_only_it(state: State) -> None:
+@pytest.mark.parametrize("state", [CREATED, STOPPED], ids=lambda s: s.name)
+async def test_delete_of_an_exec_forgets_only_it(state: ProcessState) -> None:
     """An exec not started, or finished, may be deleted: then it is unknown, its
     container untouched, and (as with runc) no delete event is sent for an exec."""
     svc, events = pod(RUNNING, state)
@@ -365,7 +365,7 @@ async def test_exec_in_a_running_container_adds_a_created_process() -> None:
 
 
 @pytest.mark.parametrize("case", LIVE, ids=_id)
-async def test_closeio_of_a_live_process_is_accepted(case: tuple[str, State]) -> None:
+async def test_closeio_of_a_live_process_is_accepted(case: tuple[str, ProcessState]) -> None:
     """Closing stdin of a process without one open is a no-op, not an error."""
     exec_id, state = case
     svc, events = pod_for(exec_id, state)

@@ -5,7 +5,8 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, Context, TtrpcError
-from shim.task.process import Container, Process, State
+from podvm_core.procstate import RUNNING, STOPPED, ProcessState
+from shim.task.process import Container, Process
 from shim.task.service import TaskService
 
 CTX = Context("containerd.task.v2.Task", "x")
@@ -25,7 +26,7 @@ def service() -> tuple[TaskService, Recorder]:
     return TaskService("test", publisher=None, shutdown=shutdown), shutdown  # type: ignore[arg-type]
 
 
-def add(service: TaskService, cid: str, state: State, **execs: State) -> Container:
+def add(service: TaskService, cid: str, state: ProcessState, **execs: ProcessState) -> Container:
     c = Container(cid, f"/b/{cid}", Process(cid, pid=10, state=state))
     c.execs = {e: Process(cid, exec_id=e, state=s) for e, s in execs.items()}
     service.containers[cid] = c
@@ -34,7 +35,7 @@ def add(service: TaskService, cid: str, state: State, **execs: State) -> Contain
 
 async def test_shutdown_waits_for_the_last_task(service) -> None:
     svc, shutdown = service
-    add(svc, "c1", State.RUNNING)
+    add(svc, "c1", RUNNING)
     await svc.Shutdown(api.ShutdownRequest(id="c1"), CTX)
     assert shutdown.calls == 0
     await svc.Shutdown(api.ShutdownRequest(id="c1", now=True), CTX)
@@ -46,7 +47,7 @@ async def test_shutdown_waits_for_the_last_task(service) -> None:
 
 async def test_state_reports_the_process(service) -> None:
     svc, _ = service
-    c = add(svc, "c1", State.RUNNING, e1=State.STOPPED)
+    c = add(svc, "c1", RUNNING, e1=STOPPED)
     c.execs["e1"].exit_status, c.execs["e1"].exited_at_ns = 3, 5_000_000_001
     init = await svc.State(api.StateRequest(id="c1"), CTX)
     assert (init.status, init.pid, init.bundle) == (2, 10, "/b/c1")
@@ -60,7 +61,7 @@ async def test_state_reports_the_process(service) -> None:
 
 async def test_delete_of_a_stopped_process_removes_it(service) -> None:
     svc, _ = service
-    c = add(svc, "c1", State.STOPPED, e1=State.STOPPED, e2=State.RUNNING)
+    c = add(svc, "c1", STOPPED, e1=STOPPED, e2=RUNNING)
     c.init.exit_status = 7
     with pytest.raises(TtrpcError) as err:
         await svc.Delete(api.DeleteRequest(id="c1", exec_id="e2"), CTX)
@@ -76,8 +77,8 @@ async def test_delete_of_a_stopped_process_removes_it(service) -> None:
 
 async def test_illegal_operations_answer_before_touching_the_vm(service) -> None:
     svc, _ = service
-    add(svc, "stopped", State.STOPPED, e1=State.RUNNING)
-    add(svc, "running", State.RUNNING, e1=State.RUNNING)
+    add(svc, "stopped", STOPPED, e1=RUNNING)
+    add(svc, "running", RUNNING, e1=RUNNING)
     cases = [
         (svc.Start, api.StartRequest(id="running"), Code.FAILED_PRECONDITION),
         (svc.Kill, api.KillRequest(id="stopped", signal=9), Code.NOT_FOUND),
