@@ -10,14 +10,22 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING, Callable
+
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2
-from podvm_core.ttrpc import Server, Service, bind
+from podvm_core.ttrpc import Code, Context, Method, Server, Service, TtrpcError, bind
+from podvm_core.ttrpc.service import Handler
 
-from . import errors, log as shimlog, paths
+from . import __version__, errors, log as shimlog, paths, shimstate
 from .events import Publisher
 from .flags import Flags
-from .task.service import TaskService
+
+if TYPE_CHECKING:
+    from .task.service import TaskService
 
 log = logging.getLogger("podvm.shim")
 
@@ -56,11 +64,11 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     def shutdown() -> None:
         loop.call_soon(stop.set)
 
-    tasks = TaskService(flags.namespace, publisher, shutdown=shutdown)
+    tasks = TaskAPI(flags.namespace, publisher, shutdown)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
-    server = Server([bind(descriptor, tasks, name=name) for name in TASK_SERVICES],
+    server = Server([tasks.bind(descriptor, name) for name in TASK_SERVICES],
                     answer=errors.to_ttrpc)
-    server.register_deferred(SANDBOX_SERVICE, lambda: _sandbox_service(tasks, shutdown))
+    server.register_deferred(SANDBOX_SERVICE, lambda: _sandbox_service(tasks.get(), shutdown))
     await server.start(sock)
     # Serving: collect garbage again (`cli` stops it while the daemon starts), leaving out
     # what starting made, which lives as long as the daemon.
@@ -74,8 +82,6 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     await server.close()
     await tasks.close()
     await publisher.close()
-    from . import cleanup, shimstate  # on the way out only: kept off the start path
-
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
     owner = (shimstate.read(flags.namespace, group) or {}).get("pid")
     if owner not in (None, os.getpid()):
@@ -83,14 +89,76 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
         # owns the socket and the state directory now.
         log.info("state of %s now belongs to shim %s: leaving it", group, owner)
         return
-    cleanup.remove_shim_state(flags.namespace, group, flags.socket)
+    # Here, not at the top: psutil and the cgroup managers, for the way out only, would
+    # grow every idle daemon.
+    from .cleanup import remove_shim_state
+
+    remove_shim_state(flags.namespace, group, flags.socket)
 
 
-def _sandbox_service(tasks: TaskService, shutdown) -> Service:
+class TaskAPI:
+    """The Task API's handlers: a TaskService, made at the first call that needs one.
+
+    containerd connects as soon as `start` returns, and a Connect before any Create needs
+    only the API's messages; TaskService brings the pod's whole model (its imports are
+    about a quarter of the daemon's start). The first Create, which boots the VM, pays
+    for them instead."""
+
+    def __init__(self, namespace: str, publisher: Publisher,
+                 shutdown: Callable[[], None]) -> None:
+        self._namespace = namespace
+        self._publisher = publisher
+        self._shutdown = shutdown
+        self._service: TaskService | None = None
+        self._bound: list[tuple[ServiceDescriptor, Service]] = []
+
+    def bind(self, descriptor: ServiceDescriptor, name: str) -> Service:
+        """The Task API as `name`: every RPC of `descriptor` (whichever TaskService lacks
+        answers UNIMPLEMENTED, as `bind` would), the real handlers once it is made."""
+        service = Service(name)
+        for rpc in descriptor.methods:
+            handler = self.Connect if rpc.name == "Connect" else self._first_call(rpc.name)
+            service.methods[rpc.name] = Method(GetMessageClass(rpc.input_type), handler)
+        self._bound.append((descriptor, service))
+        return service
+
+    def get(self) -> TaskService:
+        if self._service is None:
+            # Here, not at the top: see the class's docstring.
+            from .task.service import TaskService
+
+            self._service = TaskService(self._namespace, self._publisher,
+                                        shutdown=self._shutdown)
+            for descriptor, service in self._bound:  # from now on, straight to it
+                service.methods = bind(descriptor, self._service, name=service.name).methods
+        return self._service
+
+    async def Connect(self, req: shim_pb2.ConnectRequest,
+                      ctx: Context) -> shim_pb2.ConnectResponse:
+        if self._service is None:  # no Create yet, so no task: TaskService's answer
+            return shim_pb2.ConnectResponse(shim_pid=os.getpid(), version=__version__)
+        return await self._service.Connect(req, ctx)
+
+    def _first_call(self, rpc: str) -> Handler:
+        async def call(req: Message, ctx: Context) -> Message:
+            handler = getattr(self.get(), rpc, None)
+            if handler is None:
+                raise TtrpcError(Code.UNIMPLEMENTED, f"method {rpc}")
+            return await handler(req, ctx)
+
+        return call
+
+    async def close(self) -> None:
+        if self._service is not None:
+            await self._service.close()
+
+
+def _sandbox_service(tasks: TaskService, shutdown: Callable[[], None]) -> Service:
     """The Sandbox API, made at its first call: only containerd 2.x with `sandboxer =
     "shim"` calls it, and its code and messages would grow every idle daemon."""
-    # Both here, at the first Sandbox call: off the start path, out of an idle daemon.
+    # Both here, not at the top, for that reason.
     from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2
+
     from .sandboxapi import SandboxService
 
     impl = SandboxService(tasks.slot, tasks.namespace, shutdown)

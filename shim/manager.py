@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from podvm_core.atomic import write_atomic
 
@@ -104,8 +104,10 @@ def _write_address(bundle: str, address: str) -> None:
 def delete(flags: Flags) -> int:
     """Clean up after a container whose daemon is gone (or never answered), from the
     persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says)."""
-    from .cleanup import cleanup_container
+    # Here, not at the top: `start` imports this module, and needs neither.
     from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
+
+    from .cleanup import cleanup_container
 
     bundle = flags.bundle_dir
     cleanup_container(flags.namespace, flags.id, bundle)

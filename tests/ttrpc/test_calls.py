@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as task
-from podvm_core.ttrpc import Client, Server, TtrpcError, bind
+from podvm_core.ttrpc import Client, ConnectionClosed, Server, TtrpcError, bind
 from podvm_core.ttrpc.codes import Code
 from podvm_core.ttrpc.framing import MAX_DATA
+from shim import errors
+from shim.hypervisor import VMExited
 
-from .conftest import SERVICE
+from .conftest import SERVICE, EchoTask
 
 
 async def test_unary_round_trip(client: Client) -> None:
@@ -29,9 +32,6 @@ async def test_namespace_metadata_reaches_the_handler(server, socket_path: str) 
 
 
 async def test_served_under_the_v3_name_too(socket_path: str) -> None:
-    from podvm_core.ttrpc import Server, bind
-    from .conftest import EchoTask
-
     impl = EchoTask()
     desc = task.DESCRIPTOR.services_by_name["Task"]
     srv = Server([bind(desc, impl), bind(desc, impl, name="containerd.task.v3.Task")])
@@ -110,8 +110,6 @@ async def test_oversized_request_is_refused_by_the_client(client: Client) -> Non
 
 
 async def test_server_close_fails_outstanding_calls(server, socket_path: str) -> None:
-    from podvm_core.ttrpc import ConnectionClosed
-
     c = await Client.connect(socket_path)
     pending = asyncio.create_task(
         c.call(SERVICE, "Wait", task.WaitRequest(exec_id="5000"), task.WaitResponse))
@@ -125,9 +123,6 @@ async def test_server_close_fails_outstanding_calls(server, socket_path: str) ->
 async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None:
     """A handler's own typed error (here: the VM died) reaches containerd with the one
     code shim/errors.py gives it, not UNKNOWN, and the connection stays usable."""
-    from shim import errors
-    from shim.hypervisor import VMExited
-
     class Dying:
         async def State(self, req: task.StateRequest, ctx) -> task.StateResponse:
             raise VMExited("QEMU (pid 7) was killed by signal SIGKILL")
@@ -151,8 +146,6 @@ async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None
 @pytest.fixture
 def ttrpc_log():
     """What the server logs, at every level (the daemon's handler may not propagate)."""
-    import logging
-
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -172,8 +165,6 @@ async def test_error_replies_are_logged_by_what_they_mean(socket_path: str, ttrp
     """NOT_FOUND is what containerd gets for every id it polls after deleting it: debug
     only. A request refused for another reason is worth a line; INTERNAL is the shim's
     own fault; a handler that crashes is logged with its traceback."""
-    import logging
-
     answers = {"gone": Code.NOT_FOUND, "bad": Code.FAILED_PRECONDITION,
                "broken": Code.INTERNAL}
 
@@ -200,8 +191,6 @@ async def test_error_replies_are_logged_by_what_they_mean(socket_path: str, ttrp
 
 
 async def test_not_found_costs_no_log_line_at_info(client: Client, ttrpc_log) -> None:
-    import logging
-
     logging.getLogger("podvm.ttrpc").setLevel(logging.INFO)
     for _ in range(20):
         with pytest.raises(TtrpcError) as err:
@@ -232,8 +221,6 @@ async def test_a_handlers_own_timeout_without_a_deadline_is_its_failure(socket_p
 
 
 async def test_a_deferred_service_is_made_at_its_first_call_only(socket_path: str) -> None:
-    from .conftest import EchoTask
-
     made: list[str] = []
 
     def make():
