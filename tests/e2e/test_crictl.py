@@ -23,6 +23,7 @@ from tests.conftest import require_root, require_tool
 from .containerd import (CRI_NAMESPACE, PODVM_SNIPPET, REPO_ROOT, Containerd, cgroup_dirs,
                          mounts_under, podvm_runtime_section, shims_of)
 from .cri import Crictl, write_config
+from .netpods import pod_network_config
 
 # Our podvm configuration for these tests: a QEMU that cannot exist, so the shim's answer
 # names a path only this file has (proof that ConfigPath travelled from containerd's
@@ -66,16 +67,9 @@ def configs(tmp_path_factory) -> pathlib.Path:
 
 
 def pod_config(ctd: Containerd, configs: pathlib.Path, name: str, **extra) -> dict:
-    """A pod on the node's network (no CNI here), its logs and cgroups where the test can
-    clean them up. snake_case and numeric enums: the real crictl reads only those."""
-    return {
-        "metadata": {"name": name, "namespace": "podvm-test", "uid": f"uid-{name}",
-                     "attempt": 0},
-        "log_directory": str(configs / "logs" / name),
-        "linux": {"cgroup_parent": ctd.cgroup_parent,
-                  "security_context": {"namespace_options": {"network": 2}}},
-        **extra,
-    }
+    """A pod on the POD network (the test containerd's CNI bridge): podvm refuses the
+    host's network, which a VM cannot have."""
+    return pod_network_config(ctd, configs, name, **extra)
 
 
 def container_config(name: str, script: str) -> dict:
@@ -164,8 +158,8 @@ def test_exec_returns_output_and_exit_code(crictl, pod) -> None:
     assert "err" in failed.stderr
     if not crictl.binary:  # the real crictl drops stdout when the command fails
         assert (failed.raw.returncode, failed.stdout) == (3, "out\n")
-    hostname = crictl.exec(pod["a"], "hostname")  # node network: the node's UTS too
-    assert (hostname.exit_code, hostname.stdout) == (0, os.uname().nodename + "\n")
+    hostname = crictl.exec(pod["a"], "hostname")  # the pod's UTS namespace, named by it
+    assert (hostname.exit_code, hostname.stdout) == (0, "two\n")
 
 
 def test_inspect_and_inspectp(ctd, crictl, pod) -> None:
@@ -181,7 +175,7 @@ def test_inspect_and_inspectp(ctd, crictl, pod) -> None:
     assert spec["linux"]["cgroupsPath"] == f"{ctd.cgroup_parent}/{pod['a']}"
     p = crictl.inspectp(pod["id"])
     assert p["status"]["state"] == "SANDBOX_READY"
-    assert p["status"]["linux"]["namespaces"]["options"]["network"] == "NODE"
+    assert p["status"]["linux"]["namespaces"]["options"]["network"] == "POD"
     assert p["status"]["metadata"] == {"name": "two", "uid": "uid-two",
                                        "namespace": "podvm-test", "attempt": 0}
 
