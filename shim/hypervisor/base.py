@@ -106,6 +106,11 @@ class VM(abc.ABC):
         it runs."""
 
     @abc.abstractmethod
+    def dead(self) -> bool:
+        """The VMM process has ended (a zombie counts), whether or not its exit has been
+        collected yet: a stop requested now would not be what ended it."""
+
+    @abc.abstractmethod
     async def size(self) -> tuple[int, int]:
         """vCPUs present and memory in MiB, as the VMM reports them now."""
 

@@ -361,6 +361,17 @@ class QemuVM(VM):
             except Exception as exc:  # QEMU may already be gone
                 log.debug("QMP disconnect: %s", exc)
 
+    def dead(self) -> bool:
+        proc = self._proc
+        if proc is None:
+            return False
+        if proc.returncode is not None:
+            return True
+        try:
+            return psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
     async def wait(self) -> int:
         if self._proc is None:
             raise HypervisorError("VM was never launched")

@@ -81,6 +81,7 @@ class Pod:
         self._listeners: list[PodListener] = []
         self._allocator = None
         self._applying = asyncio.Lock()
+        self._death_told = False
         self._background: set[asyncio.Task] = set()
 
     @classmethod
@@ -162,7 +163,11 @@ class Pod:
         sandbox = self.sandbox
         if sandbox is None:
             return
-        if grace > 0 and sandbox.agent is not None and self.placed:
+        if sandbox.vm is not None and sandbox.vm.dead():
+            # It died before this stop (containerd stops a pod whose processes it was told
+            # ended): say how, which the watcher would not, seeing the pod stopped.
+            await self._died(sandbox)
+        elif grace > 0 and sandbox.agent is not None and self.placed:
             await self._kill_all(sandbox.agent, grace)
         self.sandbox = None
         log.info("sandbox %s: stopping the VM", self.id)
@@ -420,9 +425,17 @@ class Pod:
     async def _watch_vm(self, sandbox: Sandbox) -> None:
         assert sandbox.vm is not None
         await sandbox.vm.wait()
-        if self.sandbox is not sandbox:
-            return  # stopped on purpose
-        self.gone = await sandbox.vm.exited() or HypervisorError("QEMU is gone")
+        if self.sandbox is sandbox:  # else stopped on purpose
+            await self._died(sandbox)
+
+    async def _died(self, sandbox: Sandbox) -> None:
+        """The VM ended under the pod: the listeners hear how, once (the watcher and a
+        stop that finds the VM dead may both get here)."""
+        assert sandbox.vm is not None
+        if self._death_told:
+            return
+        self._death_told = True
+        self.gone = await sandbox.vm.exited(grace=2) or HypervisorError("QEMU is gone")
         log.error("sandbox %s: %s", self.id, self.gone)
         for listener in self._listeners:
             listener.vm_exited(self.gone)
