@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .ttrpc.codes import Code
 from .ttrpc.errors import TtrpcError
@@ -245,3 +246,16 @@ class Lifecycle:
     async def wait(self) -> tuple[int, int]:
         await self.exited.wait()
         return self.exit_status, self.exited_at_ns
+
+
+P = TypeVar("P", bound=Lifecycle)
+
+
+def pick(container_id: str, init: P, execs: Mapping[str, P], exec_id: str) -> P:
+    """A container's process by exec id ("" is its init); NOT_FOUND for an unknown exec."""
+    if not exec_id:
+        return init
+    proc = execs.get(exec_id)
+    if proc is None:
+        raise TtrpcError(Code.NOT_FOUND, f"exec {exec_id} of container {container_id} not found")
+    return proc

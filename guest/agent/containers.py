@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from podvm_core.pb.agent import agent_pb2 as pb
-from podvm_core.procstate import Lifecycle
+from podvm_core.procstate import Lifecycle, pick
 from podvm_core.ttrpc import Code, TtrpcError
 
 from . import runc
@@ -55,12 +55,7 @@ class Container:
     """No runc container: the pod's namespace holder stands in (holder.py)."""
 
     def process(self, exec_id: str) -> Process:
-        if not exec_id:
-            return self.init
-        proc = self.execs.get(exec_id)
-        if proc is None:
-            raise TtrpcError(Code.NOT_FOUND, f"exec {exec_id} of container {self.id} not found")
-        return proc
+        return pick(self.id, self.init, self.execs, exec_id)
 
 
 class Stdio:

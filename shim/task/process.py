@@ -11,8 +11,7 @@ from typing import Any
 
 from podvm_core.pb.containerd.types.task_pb2 import Status
 from podvm_core.procstate import (CREATED, DELETED, PAUSED, RUNNING, STOPPED, Lifecycle,
-                                  ProcessState)
-from podvm_core.ttrpc import Code, TtrpcError
+                                  ProcessState, pick)
 
 _STATUS = {CREATED: Status.CREATED, RUNNING: Status.RUNNING, PAUSED: Status.PAUSED,
            STOPPED: Status.STOPPED, DELETED: Status.UNKNOWN}
@@ -43,9 +42,4 @@ class Container:
     execs: dict[str, Process] = field(default_factory=dict)
 
     def process(self, exec_id: str) -> Process:
-        if not exec_id:
-            return self.init
-        proc = self.execs.get(exec_id)
-        if proc is None:
-            raise TtrpcError(Code.NOT_FOUND, f"exec {exec_id} of container {self.id} not found")
-        return proc
+        return pick(self.id, self.init, self.execs, exec_id)
