@@ -23,8 +23,9 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 # The daemon loads this module at the first Sandbox API call (shim/daemon.py), so the
 # pod's machinery is imported here at the top: a sandbox is about to need it.
 from . import config
-from .pod.planner import PodPlanner, parse_linux_resources, pod_cgroup_memory_mib, pod_resources
-from .pod.pod import HOST_NETWORK_REFUSAL, Pod, planned
+from .pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
+                          pod_resources)
+from .pod.pod import HOST_NETWORK_REFUSAL, Pod
 from .pod.slot import VM_GONE_STATUS, PodSlot
 from .sandbox import host
 

@@ -13,9 +13,11 @@ from dataclasses import replace
 from typing import Callable, Mapping
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
+from podvm_core.ttrpc import Code, TtrpcError
 
+from .. import errors
 from ..config import Config
-from ..resources import (ContainerResources, Host, NoFit, PlanDelta, SandboxPlan,
+from ..resources import (ContainerResources, Host, NoFit, PlanDelta, PlanError, SandboxPlan,
                         StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)
 from ..resources import annotations as annotations_model
 from ..resources.model import MIB, from_linux_resources, request_from_config
@@ -159,3 +161,20 @@ def parse_linux_resources(raw: bytes) -> tuple[dict, ContainerResources]:
 
 def resources_of(spec: dict) -> ContainerResources:
     return from_linux_resources((spec.get("linux") or {}).get("resources") or {})
+
+
+def planning_error(exc: Exception) -> TtrpcError:
+    """A planning error as the status code it means; a value the model could not read
+    is the request's fault."""
+    answer = errors.to_ttrpc(exc)
+    if answer.code is Code.UNKNOWN:
+        return TtrpcError(Code.INVALID_ARGUMENT, answer.message)
+    return answer
+
+
+def planned(compute):
+    """Run a planning step; its errors as the status codes they mean."""
+    try:
+        return compute()
+    except (PlanError, ValueError, TypeError) as exc:
+        raise planning_error(exc) from None

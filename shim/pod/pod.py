@@ -27,7 +27,7 @@ from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
-from .planner import PodPlanner, parse_linux_resources
+from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
 if TYPE_CHECKING:
     from ..agent import Agent
@@ -482,19 +482,3 @@ class Pod:
             raise TtrpcError(Code.FAILED_PRECONDITION, f"sandbox {self.id} is not running")
         return self.sandbox.cgroup.metrics()
 
-
-def planning_error(exc: Exception) -> TtrpcError:
-    """A planning error as the status code it means; a value the model could not read
-    is the request's fault."""
-    answer = errors.to_ttrpc(exc)
-    if answer.code is Code.UNKNOWN:
-        return TtrpcError(Code.INVALID_ARGUMENT, answer.message)
-    return answer
-
-
-def planned(compute):
-    """Run a planning step; its errors as the status codes they mean."""
-    try:
-        return compute()
-    except (PlanError, ValueError, TypeError) as exc:
-        raise planning_error(exc) from None
