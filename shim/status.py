@@ -48,6 +48,10 @@ def thread_role(pid: int, tid: int, name: str, shim_pid: int) -> str:
         return "vcpu"
     if name.startswith("IO "):
         return "iothread"
+    if name.startswith("vhost-"):
+        # vhost-net's worker: a thread of QEMU's since Linux 6.4 (a kernel thread in
+        # QEMU's cgroups before): it moves the NIC's packets, charged to the pod.
+        return "net"
     return "main" if tid == pid else "other"
 
 
@@ -59,7 +63,9 @@ def collect(state_dir: str) -> dict:
     report: dict = {"sandbox_id": state.sandbox_id, "namespace": namespace,
                     "qemu_pid": state.qemu_pid, "shim_pid": shim_pid,
                     "qmp_socket": state.qmp_socket, "plan": asdict(state.plan),
-                    "vm": asdict(state.vm) if state.vm is not None else {}}
+                    "vm": asdict(state.vm) if state.vm is not None else {},
+                    "network": {"netns": state.netns, "taps": list(state.taps),
+                                **(asdict(state.network) if state.network else {})}}
     outside: list[str] = []
     sandbox = cgroups.SandboxCgroup(cgroups.manager_from_state(dict(state.cgroup.manager)),
                                     state.cgroup.layout)
@@ -159,6 +165,22 @@ def _mib(value: int | None) -> str:
     return "no limit" if value is None else f"{value // MIB} MiB"
 
 
+def _network_lines(net: dict) -> list[str]:
+    if not net.get("netns"):
+        return ["network: none (a network namespace of its own, no interface)"]
+    taps = iter(net.get("taps") or [])
+    lines = [f"network: namespace {net['netns']}"]
+    for itf in net.get("interfaces") or []:
+        addresses = ", ".join(f"{a['address']}/{a['prefix_len']}" for a in itf["addresses"])
+        lines.append(f"  {itf['name']} {itf['mac']} MTU {itf['mtu']} "
+                     f"{addresses or 'no address'}, bridged by {next(taps, '?')}")
+    for r in net.get("routes") or []:
+        if r.get("protocol") != "kernel":
+            lines.append(f"  route {r['destination']}" + (f" via {r['gateway']}" if
+                         r.get("gateway") else "") + f" dev {r['device']}")
+    return lines
+
+
 def render(report: dict) -> str:
     plan, vm = report.get("plan") or {}, report.get("vm") or {}
     lines = [f"sandbox {report['sandbox_id']} (namespace {report['namespace']}): "
@@ -180,6 +202,7 @@ def render(report: dict) -> str:
                      f"{vm.get('qemu_memory_mib', '?')} MiB; the guest has "
                      f"{vm.get('online_cpus')} vCPUs online, MemTotal "
                      f"{vm.get('memory_total_mib')} MiB")
+    lines += _network_lines(report.get("network") or {})
     k8s = kubernetes_view(plan)
     if k8s:
         lines.append("Kubernetes counts the pod as: cpu " + (
