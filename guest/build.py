@@ -35,7 +35,9 @@ PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
             # protobuf's C backend (upb) links libstdc++: without it protobuf falls back to
             # pure Python, ~0.2 s slower to start under TCG and slower on every call.
             "libstdc++6", "libgcc-s1"]
-MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p"]
+# virtio_net: the pod's interfaces (its dependencies, net_failover and failover, come
+# with it through module_paths).
+MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p", "virtio_net"]
 # Not needed by a pod VM's agent, and large.
 PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
          "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",

@@ -15,6 +15,7 @@ from .stdio import Stdio
 
 if TYPE_CHECKING:
     from .hypervisor import VM
+    from .network.model import PodNetwork
 
 R = TypeVar("R", bound=Message)
 
@@ -121,9 +122,17 @@ class Agent:
             wait_cpus=cpus, cpus=cpus, wait_memory_bytes=wait_memory_bytes),
             pb.OnlineCPUMemResponse, timeout=30)
 
-    async def create_pod_namespaces(self) -> int:
-        return (await self._call("CreatePodNamespaces", pb.CreatePodNamespacesRequest(),
-                                 pb.CreatePodNamespacesResponse)).pid
+    async def create_pod_namespaces(self, hostname: str = "") -> int:
+        """The pod's pid, ipc and uts namespaces, `hostname` set in the last ("": the
+        guest's own)."""
+        return (await self._call("CreatePodNamespaces", pb.CreatePodNamespacesRequest(
+            hostname=hostname), pb.CreatePodNamespacesResponse)).pid
+
+    async def configure_network(self, network: "PodNetwork", timeout: float = 30) -> None:
+        """The guest's interfaces made the pod's: found by MAC, named, sized, addressed
+        and routed as CNI left them in the pod's namespace. The routes the kernel makes
+        for an address are left out: the guest's kernel makes them too."""
+        await self._call("ConfigureNetwork", network_request(network), Empty, timeout)
 
     async def oom_event(self) -> str:
         return (await self._call("GetOOMEvent", pb.GetOOMEventRequest(),
@@ -131,3 +140,18 @@ class Agent:
 
     async def shutdown(self, timeout: float = 5) -> None:
         await self._call("Shutdown", pb.ShutdownRequest(), Empty, timeout)
+
+
+def network_request(network: "PodNetwork") -> pb.ConfigureNetworkRequest:
+    """The pod's network as the agent takes it, without the routes of protocol "kernel"
+    (an address's own prefix route: the guest's kernel makes it when the address is
+    added, and `ip route replace` would only duplicate it with another protocol)."""
+    return pb.ConfigureNetworkRequest(
+        interfaces=[pb.NetworkInterface(
+            name=itf.name, mac=itf.mac, mtu=itf.mtu,
+            addresses=[pb.IPAddress(address=a.address, prefix_len=a.prefix_len)
+                       for a in itf.addresses]) for itf in network.interfaces],
+        routes=[pb.NetworkRoute(destination=r.destination, gateway=r.gateway or "",
+                                device=r.device, scope=r.scope, source=r.source or "",
+                                metric=r.metric or 0)
+                for r in network.routes if r.protocol != "kernel"])

@@ -95,6 +95,12 @@ class Sandbox:
             await self.pin()
             self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
             info = await self.agent.ping(timeout=q.boot_timeout)
+            network = self.state.network
+            if network is not None and network.interfaces:
+                started = time.monotonic()
+                await self.agent.configure_network(network)
+                log.info("sandbox %s: guest network configured in %.2fs", self.id,
+                         time.monotonic() - started)
         except BaseException as exc:
             # QEMU dying after launch shows up as a broken agent or QMP call: say how
             # QEMU ended instead, in its own words.

@@ -4,7 +4,9 @@ container, which runs nothing else (starting it through runc costs over a second
 TCG), and holds the namespaces of a pod made through the Sandbox API, which has none.
 
 busybox `unshare --fork` makes the namespaces and forks a shell into them; the shell
-waits in a loop, so orphans reparented to it are reaped, and exits on SIGTERM/SIGINT."""
+waits in a loop, so orphans reparented to it are reaped, and exits on SIGTERM/SIGINT.
+Given a hostname (the pod's), busybox `nsenter` sets it in the new uts namespace before
+the holder is handed back, so that no container joins it unnamed."""
 from __future__ import annotations
 
 import asyncio
@@ -15,19 +17,24 @@ import time
 from podvm_core.ttrpc import Code, TtrpcError
 
 from .containers import Process
-from .reaper import REAPER
+from .reaper import REAPER, run
 
 log = logging.getLogger("podvm.agent")
 
 BUSYBOX = "/bin/busybox"
 SCRIPT = f"trap 'exit 0' TERM INT; while :; do {BUSYBOX} sleep 2147483647 & wait; done"
 CGROUP = "/sys/fs/cgroup/podvm"
+HOST_NAME_MAX = 64
 
 
-async def start(container_id: str) -> Process:
+async def start(container_id: str, hostname: str = "") -> Process:
     """The holder, running, as the init process of `container_id` (in its own cgroup
-    /podvm/<id>, so that stats, pause and removal work as for any container). Its state
-    is still created: StartContainer moves it on as it would a runc container."""
+    /podvm/<id>, so that stats, pause and removal work as for any container), with
+    `hostname` in its uts namespace ("": the guest's). Its state is still created:
+    StartContainer moves it on as it would a runc container."""
+    if len(hostname.encode()) > HOST_NAME_MAX or "\0" in hostname:
+        raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: hostname {hostname!r} "
+                         f"is not a hostname (at most {HOST_NAME_MAX} bytes)")
     argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT]
     parent = os.posix_spawn(BUSYBOX, argv, {"PATH": "/bin"})
     proc = Process(container_id, "")
@@ -49,10 +56,21 @@ async def start(container_id: str) -> Process:
         if children:
             proc.pid = int(children[0])
             _own_cgroup(container_id, proc.pid)
+            if hostname:
+                await _set_hostname(container_id, proc, hostname)
             log.info("pod namespaces for %s held by %d", container_id, proc.pid)
             return proc
         await asyncio.sleep(0.005)
     raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not start")
+
+
+async def _set_hostname(container_id: str, proc: Process, hostname: str) -> None:
+    status, _, stderr = await run([BUSYBOX, "nsenter", "-t", str(proc.pid), "-u", "--",
+                                   BUSYBOX, "hostname", hostname])
+    if status != 0:
+        signal(proc, 9)
+        raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: cannot set the hostname "
+                         f"{hostname!r}: {stderr.decode(errors='replace').strip()!r}")
 
 
 def signal(proc: Process, signum: int) -> None:

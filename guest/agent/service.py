@@ -13,7 +13,7 @@ from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.procstate import finished
 from podvm_core.ttrpc import Code, Context, TtrpcError
 
-from . import containers, holder, oci, resources, runc
+from . import containers, holder, network, oci, resources, runc
 from .containers import Container
 
 log = logging.getLogger("podvm.agent")
@@ -28,6 +28,7 @@ class AgentService:
         self._oom_counts: dict[str, int] = {}
         self._pod_namespaces: containers.Process | None = None
         """The holder of the pod's namespaces when no sandbox container does."""
+        self._network = asyncio.Lock()
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -45,8 +46,15 @@ class AgentService:
                                   ctx: Context) -> pb.CreatePodNamespacesResponse:
         """The pod of a Sandbox-API sandbox (no sandbox container). Idempotent."""
         if self._pod_namespaces is None or self._pod_namespaces.exited.is_set():
-            self._pod_namespaces = await holder.start("pod")
+            self._pod_namespaces = await holder.start("pod", req.hostname)
         return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces.pid)
+
+    async def ConfigureNetwork(self, req: pb.ConfigureNetworkRequest, ctx: Context) -> Empty:
+        """The guest's interfaces as the pod's (guest/agent/network.py). Idempotent; one
+        call at a time."""
+        async with self._network:
+            await network.configure(req)
+        return Empty()
 
     async def Ping(self, req: pb.PingRequest, ctx: Context) -> pb.PingResponse:
         with open("/proc/uptime") as f:

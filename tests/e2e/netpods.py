@@ -1,12 +1,18 @@
 """Pods on the POD network of a test containerd (tests/e2e/bridgenet.py), seen as a user
-sees them: through crictl only, whatever the runtime handler. Every wait is bounded."""
+sees them: through crictl only, whatever the runtime handler (and, for what a pod leaves
+in its namespace, through iproute2). Every wait is bounded."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import json
+import os
 import pathlib
+import subprocess
 import time
 import urllib.error
 import urllib.request
+from typing import Iterator
 
 from .containerd import Containerd
 from .cri import Crictl, ExecResult
@@ -117,3 +123,22 @@ def fetch_from_host(target: str, timeout: float = 15) -> str:
                 raise AssertionError(f"the host could not fetch {target} for {timeout}s: "
                                      f"{exc}") from None
             time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def held_netns(path: str) -> Iterator[str]:
+    """A path to the network namespace at `path` that stays valid after containerd
+    removes it (the open descriptor keeps the namespace alive): /proc/<pid>/fd/<n>."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/{os.getpid()}/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def netns_links(path: str) -> list[str]:
+    """The names of the devices in the network namespace at `path` (iproute2)."""
+    done = subprocess.run(["nsenter", f"--net={path}", "ip", "-j", "link", "show"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"ip link in {path}: {done.stderr.strip()}"
+    return [link["ifname"] for link in json.loads(done.stdout)]

@@ -109,10 +109,12 @@ class EventSink:
 
 @contextlib.asynccontextmanager
 async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
-                    runtime: dict | None = None, **qemu: object):
+                    runtime: dict | None = None, netns: str = "", **qemu: object):
     """A pod's shim started as containerd starts it, with the sandbox container created
     (and its cgroup under the parent of `cgroups_path`, by default a pod cgroup of the
-    test's own); everything stopped and removed afterwards, the pod cgroup included."""
+    test's own; in the network namespace at `netns`, as CNI leaves one, else in one of
+    its own with no interface); everything stopped and removed afterwards, the pod
+    cgroup included."""
     require_root()
     grpc = str(tmp_path / "containerd.sock")
     sink = EventSink()
@@ -123,6 +125,10 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     sandbox_spec = spec(["sleep", "1000"])
     cgroups_path = cgroups_path or f"/podvm-tasktest-{uuid.uuid4().hex[:8]}/sb"
     sandbox_spec["linux"]["cgroupsPath"] = cgroups_path
+    if netns:
+        for ns in sandbox_spec["linux"]["namespaces"]:
+            if ns["type"] == "network":
+                ns["path"] = netns
     (bundle / "config.json").write_text(json.dumps(sandbox_spec))
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
     started = run_shim(bundle, "sb", "start", grpc, namespace=NS,

@@ -4,12 +4,13 @@ has, and removed pods leave nothing on the bridge, in host-local or in CNI's cac
 
 The test containerd's network (tests/e2e/bridgenet.py): bridge + host-local on a private
 /24, no default route, no masquerade; all traffic stays between its bridge and the pods.
-Every test runs per runtime handler: runc proves the harness, podvm is expected to fail
-until pod networking is wired (strict: it fails the run once it passes).
+Every test runs per runtime handler: runc proves the harness, podvm is the VM pod whose
+guest eth0 is the pod's; and a runc pod and a podvm pod reach each other both ways.
 Every test runs with the real crictl too: CRICTL=/path/to/crictl.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -27,12 +28,12 @@ from tests.vmconfig import GUEST, guest_image, write_test_config
 from . import bridgenet
 from .containerd import Containerd, shims_of
 from .cri import Crictl, write_config
-from .netpods import (fetch_from_host, fetch_from_pod, httpd_script, interface_addresses,
-                      pod_ip, pod_network_config, routes, url, wait_for_port)
+from .netpods import (fetch_from_host, fetch_from_pod, held_netns, httpd_script,
+                      interface_addresses, netns_links, pod_ip, pod_network_config, routes,
+                      url, wait_for_port)
 from .test_crictl import container_config
 
-RUNTIMES = ["runc", pytest.param("podvm", marks=pytest.mark.xfail(
-    strict=True, reason="pod networking not wired yet"))]
+RUNTIMES = ["runc", "podvm"]
 PAGE = "hello from pod A over the bridge"
 
 
@@ -156,27 +157,50 @@ def test_host_fetches_a_page_from_a_pod(crictl, served) -> None:
 
 
 def test_removed_pod_leaves_no_network_behind(ctd, crictl, configs, runtime) -> None:
+    """Nor anything in the pod's namespace (a podvm tap): it is looked at through a
+    descriptor that keeps it alive after containerd removes it."""
     network = ctd.network
     ports_before = set(network.ports())
     pods = Pods(crictl, ctd, configs, runtime)
-    try:
-        pod_id, cid = pods.run("gone", httpd_script(PAGE))
-        ip = pod_ip(crictl, pod_id)
-        netns = crictl.inspectp(pod_id)["info"]["runtimeSpec"]["linux"]["namespaces"]
-        netns_path = next(n["path"] for n in netns if n["type"] == "network")
-        wait_for_port(crictl, cid)
-        assert fetch_from_host(url(ip)) == PAGE + "\n"  # it was on the network
-        veths = set(network.ports()) - ports_before
-        assert len(veths) == 1, f"the pod's veth on {network.bridge}: {veths}"
-        assert ip in network.allocated()
-        assert os.path.exists(netns_path)
-        pods.remove(pod_id)
-    finally:
-        pods.remove_all()
+    with contextlib.ExitStack() as stack:
+        try:
+            pod_id, cid = pods.run("gone", httpd_script(PAGE))
+            ip = pod_ip(crictl, pod_id)
+            netns = crictl.inspectp(pod_id)["info"]["runtimeSpec"]["linux"]["namespaces"]
+            netns_path = next(n["path"] for n in netns if n["type"] == "network")
+            held = stack.enter_context(held_netns(netns_path))
+            wait_for_port(crictl, cid)
+            assert fetch_from_host(url(ip)) == PAGE + "\n"  # it was on the network
+            veths = set(network.ports()) - ports_before
+            assert len(veths) == 1, f"the pod's veth on {network.bridge}: {veths}"
+            assert ip in network.allocated()
+            assert os.path.exists(netns_path)
+            expected = ["eth0", "lo"] + (["tap0_podvm"] if runtime == "podvm" else [])
+            assert sorted(netns_links(held)) == expected
+            pods.remove(pod_id)
+        finally:
+            pods.remove_all()
+        assert netns_links(held) == ["lo"]  # eth0 went with CNI, the tap with the VM
     assert not veths & bridgenet.link_names()
     assert ip not in network.allocated(), "host-local still holds the pod's address"
     assert not os.path.exists(netns_path)
     assert [f for f in network.cache_files() if pod_id in f] == []
+
+
+def test_runc_and_podvm_pods_reach_each_other(ctd, crictl, configs) -> None:
+    """Both ways, on the same bridge: a VM pod is a pod like any other."""
+    guest_image()
+    runc, podvm = Pods(crictl, ctd, configs, "runc"), Pods(crictl, ctd, configs, "podvm")
+    try:
+        r_pod, r = runc.run("mixed", httpd_script("from runc"))
+        v_pod, v = podvm.run("mixed", httpd_script("from podvm"))
+        wait_for_port(crictl, r)
+        wait_for_port(crictl, v)
+        assert fetch_from_pod(crictl, v, url(pod_ip(crictl, r_pod))) == "from runc\n"
+        assert fetch_from_pod(crictl, r, url(pod_ip(crictl, v_pod))) == "from podvm\n"
+    finally:
+        runc.remove_all()
+        podvm.remove_all()
 
 
 def test_exec_timeout_ends_a_command_that_hangs(ctd, crictl, configs) -> None:
