@@ -56,6 +56,7 @@ class SandboxService:
         self.phase: Phase | None = None
         self._pod: Pod | None = None
         self._overhead_bytes = 0
+        self._hostname = ""
         self._created_at_ns = 0
         self._exited_at_ns = 0
         self._exit_status = 0
@@ -121,6 +122,7 @@ class SandboxService:
         self.slot.take(pod)
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod
         self._overhead_bytes = max(0, pod_config.linux.overhead.memory_limit_in_bytes)
+        self._hostname = pod_config.hostname
         return api.CreateSandboxResponse()
 
     async def StartSandbox(self, req: api.StartSandboxRequest,
@@ -132,7 +134,7 @@ class SandboxService:
             pod = self._check(req.sandbox_id, Phase.CREATED)
             await pod.boot()  # a failed boot leaves nothing: Start may be tried again
             try:
-                holder = await pod.agent.create_pod_namespaces()
+                holder = await pod.agent.create_pod_namespaces(self._hostname)
             except BaseException:
                 # The VM is gone with the slot's hold on it: this sandbox is over, and a
                 # second Start must not boot a pod the Task API would never see.

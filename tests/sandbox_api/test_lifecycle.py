@@ -94,12 +94,13 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         # containerd 1.x-style `start` for a container of the pod finds the same daemon
         c_bundle = tmp_path / "c1"
         (c_bundle / "rootfs").mkdir(parents=True)
-        c_spec = spec(["sh", "-c", "echo pid1=$(tr '\\0' ' ' < /proc/1/cmdline); "
-                       "exec sleep 1000"])
+        c_spec = spec(["sh", "-c", "echo pid1=$(tr '\\0' ' ' < /proc/1/cmdline) "
+                       "host=$(hostname); exec sleep 1000"])
         c_spec["linux"]["namespaces"] = [  # CRI's, for a pod sharing its process namespace
             {"type": "pid", "path": f"/proc/{qemu}/ns/pid"},
             {"type": "ipc", "path": f"/proc/{qemu}/ns/ipc"},
             {"type": "uts", "path": f"/proc/{qemu}/ns/uts"}, {"type": "mount"}]
+        c_spec.pop("hostname", None)  # CRI sets none: the pod's UTS namespace names it
         c_spec["annotations"] = {"io.kubernetes.cri.sandbox-id": pod.id,
                                  "io.kubernetes.cri.container-type": "container"}
         (c_bundle / "config.json").write_text(json.dumps(c_spec))
@@ -116,7 +117,9 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         assert created.pid == qemu
         await pod.client.call(TASK, "Start", api.StartRequest(id="c1"), api.StartResponse)
         # no pause container: PID 1 of the pod is the agent's namespace holder
-        assert b"pid1=/bin/busybox sh -c trap" in await fifos.read(fifos.out, b"\n")
+        line = await fifos.read(fifos.out, b"\n")
+        assert b"pid1=/bin/busybox sh -c trap" in line
+        assert b" host=api-pod\n" in line  # PodSandboxConfig.hostname, in the pod's UTS
 
         # Grow: 1 CPU and 256 MiB for the pod -> a vCPU and memory hot-plugged, the
         # sandbox cgroup raised
