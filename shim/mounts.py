@@ -103,8 +103,16 @@ def mounts_under(path: str) -> list[str]:
 
 
 def unmount_all(path: str) -> int:
-    """Unmount everything at or below `path`; how many were."""
-    return sum(unmount(p) for p in mounts_under(path))
+    """Unmount everything at or below `path`, stacked mounts too (one path may hold
+    several, a later one hiding an earlier, e.g. one a crashed shim left); how many."""
+    count = 0
+    for _ in range(64):  # bounded: a mount that will not go is reported by the caller
+        points = mounts_under(path)
+        done = sum(unmount(p) for p in points)
+        count += done
+        if not points or not done:
+            break
+    return count
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str) -> None:

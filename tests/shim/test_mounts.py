@@ -41,6 +41,21 @@ def test_mount_bind_and_unmount_all(area: pathlib.Path) -> None:
     assert mounts.unmount(str(root)) and not mounts.unmount(str(root))
 
 
+def test_unmount_all_takes_stacked_mounts_too(area: pathlib.Path) -> None:
+    """A shim that crashed left a bind on a container's path; the next pod of the same
+    name binds over it: unmounting once would uncover the old one, not remove it."""
+    target = area / "shared" / "c1" / "rootfs"
+    for name in ("old", "new"):
+        source = area / name
+        source.mkdir()
+        (source / name).write_text(name)
+        mounts.bind(str(source), str(target))
+    assert (target / "new").exists()
+    assert mounts.unmount_all(str(area / "shared")) == 2
+    assert mounts.mounts_under(str(area / "shared")) == []
+    remove_tree(str(area / "shared"))
+
+
 def test_bad_mount_names_what_failed(area: pathlib.Path) -> None:
     with pytest.raises(OSError, match="nosuchfs"):
         mounts.mount(mounts.Mount("nosuchfs", "x", ()), str(area))
