@@ -33,7 +33,7 @@ CRI_NAMESPACE = "k8s.io"  # where the CRI plugin keeps its images, containers an
 
 
 class Containerd:
-    def __init__(self, workdir: pathlib.Path, namespace: str = "podvm-test", cri: bool = False,
+    def __init__(self, workdir: pathlib.Path, namespace: str = f"podvm-test-{os.getpid()}", cri: bool = False,
                  podvm_config: str | os.PathLike | None = None) -> None:
         self.workdir = workdir
         self.namespace = namespace

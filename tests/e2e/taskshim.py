@@ -29,7 +29,7 @@ from tests.vmconfig import write_test_config
 from .image import _layer
 
 TASK = "containerd.task.v2.Task"
-NS = "podvm-task-test"
+NS = f"podvm-task-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
 
 
 def spec(args: list[str], terminal: bool = False, memory: int | None = None) -> dict:

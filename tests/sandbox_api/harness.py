@@ -19,7 +19,7 @@ from tests.shim.shimproc import daemon_pid, run_shim
 from tests.vmconfig import write_test_config
 
 SANDBOX = "containerd.runtime.sandbox.v1.Sandbox"
-NS = "podvm-sbapi-test"
+NS = f"podvm-sbapi-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
 MIB = 1 << 20
 KATA_DEFAULT_MEMORY = "io.katacontainers.config.hypervisor.default_memory"
 

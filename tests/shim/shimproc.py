@@ -10,6 +10,9 @@ import sys
 SHIM = str(pathlib.Path(sys.executable).parent / "containerd-shim-podvm-v2")
 
 
+NS = f"podvm-test-{os.getpid()}"  # per run: another run on the machine has its own
+
+
 def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = None,
                 log_fifo: bool = False) -> pathlib.Path:
     bundle = root / container_id
@@ -29,7 +32,7 @@ def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = 
 
 
 def run_shim(bundle: pathlib.Path, container_id: str, action: str, grpc_address: str,
-             namespace: str = "podvm-test", timeout: float = 10,
+             namespace: str = NS, timeout: float = 10,
              env: dict | None = None) -> subprocess.CompletedProcess:
     argv = [SHIM, "-namespace", namespace, "-address", grpc_address,
             "-publish-binary", "/usr/bin/containerd", "-id", container_id]

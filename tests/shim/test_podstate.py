@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from shim.resources import ContainerResources, Host, plan_sandbox
 from shim.resources.model import request_from_config
 from tests.conftest import require_root
 
-NS = "podstate-test"
+NS = f"podstate-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
 
 
 def plan():

@@ -14,10 +14,9 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 
-from .shimproc import SHIM, alive, daemon_pid, make_bundle, run_shim
+from .shimproc import NS, SHIM, alive, daemon_pid, make_bundle, run_shim
 
 TASK = "containerd.task.v2.Task"
-NS = "podvm-test"
 
 
 @pytest.fixture
