@@ -16,7 +16,9 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from tests.network.conftest import PEER_MAC, POD_MAC, Namespace, _namespace
 
-from .taskshim import Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+
+PODVMCTL = pathlib.Path(__file__).resolve().parents[2] / ".venv" / "bin" / "podvmctl"
 
 PAGE = "served from the VM"
 
@@ -101,6 +103,13 @@ async def test_the_vm_is_the_pod_on_its_network(tmp_path, rootfs, netns) -> None
         got = await asyncio.to_thread(until_ok, peer, "busybox", "wget", "-q", "-O", "-",
                                       "http://10.9.0.2:8080/")
         assert got == PAGE + "\n"
+
+        status = subprocess.run([str(PODVMCTL), "status", "sb", "--namespace", NS],
+                                capture_output=True, text=True, check=True).stdout
+        assert f"network: namespace {pod.path}" in status, status
+        assert f"eth0 {POD_MAC} MTU 1400 10.9.0.2/24, fd00:9::2/64, bridged by {taps[0]}" \
+            in status, status
+        assert "route 0.0.0.0/0 via 10.9.0.1 dev eth0" in status, status
 
         await call(shim, "Kill", api.KillRequest(id="web", signal=9))
         await call(shim, "Wait", api.WaitRequest(id="web"), api.WaitResponse)
