@@ -42,6 +42,7 @@ class Stdio:
         return cls(bool(stdin), bool(stdout), bool(stderr) and not terminal, terminal)
 
     def message(self) -> "StdioMessage":
+        # The agent's messages load with a pod's first Create, not in the idle daemon.
         from podvm_core.pb.agent.agent_pb2 import Stdio as StdioMessage
 
         return StdioMessage(stdin=self.stdin, stdout=self.stdout, stderr=self.stderr,
