@@ -187,6 +187,34 @@ def test_removed_pod_leaves_no_network_behind(ctd, crictl, configs, runtime) -> 
     assert [f for f in network.cache_files() if pod_id in f] == []
 
 
+def test_a_killed_shim_leaves_no_tap_once_containerd_cleans_up(ctd, crictl, configs) -> None:
+    """kill -9 of a podvm pod's shim: containerd runs `shim delete`, which removes QEMU
+    and, from sandbox.json, podvm's tap and redirects in the pod's namespace (CNI's eth0
+    stays: it is containerd's until the pod is removed)."""
+    guest_image()
+    pods = Pods(crictl, ctd, configs, "podvm")
+    with contextlib.ExitStack() as stack:
+        try:
+            pod_id, cid = pods.run("crash", "sleep 1000")
+            netns = crictl.inspectp(pod_id)["info"]["runtimeSpec"]["linux"]["namespaces"]
+            held = stack.enter_context(held_netns(
+                next(n["path"] for n in netns if n["type"] == "network")))
+            assert sorted(netns_links(held)) == ["eth0", "lo", "tap0_podvm"]
+            [shim] = [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd]
+            os.kill(shim, 9)
+            deadline = time.monotonic() + 90
+            while sorted(netns_links(held)) != ["eth0", "lo"]:
+                assert time.monotonic() < deadline, f"tap left: {netns_links(held)}"
+                time.sleep(0.5)
+            qdiscs = subprocess.run(["nsenter", f"--net={held}", "tc", "qdisc", "show",
+                                     "dev", "eth0"], capture_output=True, text=True,
+                                    check=True).stdout
+            assert "ingress" not in qdiscs, qdiscs
+        finally:
+            pods.remove_all()
+        assert netns_links(held) == ["lo"]
+
+
 def test_runc_and_podvm_pods_reach_each_other(ctd, crictl, configs) -> None:
     """Both ways, on the same bridge: a VM pod is a pod like any other."""
     guest_image()
