@@ -232,9 +232,10 @@ def test_a_guest_that_dies(ctd, crictl, configs) -> None:
              timeout=60)
 
 
-def runp_refused(crictl: Crictl, ctd, configs, name: str) -> str:
+def runp_refused(crictl: Crictl, ctd, configs, name: str, **extra) -> str:
     """runp that must fail: crictl's error output."""
-    pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name))
+    pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name,
+                                                                   **extra))
     refused = crictl.run("runp", "--runtime", "podvm", str(pod_file), check=False)
     assert refused.returncode != 0, refused.stdout
     return refused.stderr
@@ -292,6 +293,19 @@ def test_a_qemu_killed_while_booting_is_named(ctd, crictl, configs) -> None:
     assert killed, "no QEMU appeared"
     assert "was killed by signal SIGKILL before the guest came up" in error, error
     assert "QEMU said:" in error and "guest console ends with:" in error, error
+    nothing_of_failed_pods_left(ctd, before)
+
+
+def test_a_host_network_pod_is_refused_before_anything_boots(ctd, crictl, configs) -> None:
+    """hostNetwork: true through the CRI (namespace option NODE): refused with what to do,
+    no VM booted, nothing left; the same pod on the POD network runs (test above)."""
+    before = running(ctd)
+    node = {"cgroup_parent": ctd.cgroup_parent,
+            "security_context": {"namespace_options": {"network": 2, "pid": 2}}}
+    error = runp_refused(crictl, ctd, configs, "on-host", linux=node)
+    assert "hostNetwork: true" in error and "hostPID: true" in error, error
+    assert "run it with runc" in error, error
+    assert "QEMU" not in error, error
     nothing_of_failed_pods_left(ctd, before)
 
 
