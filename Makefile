@@ -99,6 +99,7 @@ bench: guest
 	$(VENV)/bin/python bench/accounting_bench.py
 	$(VENV)/bin/python bench/resize_bench.py
 	$(VENV)/bin/python bench/reservation.py
+	$(VENV)/bin/python bench/net_bench.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
