@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from shim.paths import STATE_ROOT
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -29,6 +31,25 @@ def require_root() -> None:
     require(os.geteuid() == 0, "root (containerd, mounts and cgroups need it)")
 
 
+_run_namespaces: set[str] = set()
+
+
+def run_namespace(prefix: str) -> str:
+    """A containerd namespace for this run alone (another run on the machine has its
+    own /run/podvm/<namespace>); its directory there is removed when the run ends."""
+    namespace = f"{prefix}-{os.getpid()}"
+    _run_namespaces.add(namespace)
+    return namespace
+
+
+def _remove_run_namespaces() -> None:
+    for namespace in _run_namespaces:
+        try:
+            os.rmdir(os.path.join(STATE_ROOT, namespace))  # empty, or a test left state
+        except (FileNotFoundError, OSError):
+            pass
+
+
 _skipped: list[str] = []
 
 
@@ -40,6 +61,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI a skipped test is a failed run, whatever route it took (pytest.skip,
     a skip mark, an expected failure): every test must run there."""
+    _remove_run_namespaces()
     if IN_CI and _skipped:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

@@ -23,6 +23,8 @@ import time
 import tomllib
 import uuid
 
+from tests.conftest import run_namespace
+
 from . import bridgenet, image
 
 SHIM_BIN_DIR = pathlib.Path(sys.executable).parent  # the venv with containerd-shim-podvm-v2
@@ -33,7 +35,7 @@ CRI_NAMESPACE = "k8s.io"  # where the CRI plugin keeps its images, containers an
 
 
 class Containerd:
-    def __init__(self, workdir: pathlib.Path, namespace: str = f"podvm-test-{os.getpid()}", cri: bool = False,
+    def __init__(self, workdir: pathlib.Path, namespace: str = run_namespace("podvm-ctr-test"), cri: bool = False,
                  podvm_config: str | os.PathLike | None = None) -> None:
         self.workdir = workdir
         self.namespace = namespace

@@ -21,7 +21,7 @@ from podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2 import Forward
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, bind
-from tests.conftest import require_root
+from tests.conftest import require_root, run_namespace
 from tests.shim.shimproc import daemon_pid, run_shim
 from tests.shim.test_process_contract import wait_gone
 from tests.vmconfig import write_test_config
@@ -29,7 +29,7 @@ from tests.vmconfig import write_test_config
 from .image import _layer
 
 TASK = "containerd.task.v2.Task"
-NS = f"podvm-task-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
+NS = run_namespace("podvm-task-test")
 
 
 def spec(args: list[str], terminal: bool = False, memory: int | None = None) -> dict:

@@ -13,13 +13,13 @@ from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Client, Server, bind
 import cgroups
-from tests.conftest import require_root
+from tests.conftest import require_root, run_namespace
 from tests.e2e.taskshim import EventSink, remove_cgroup_dirs
 from tests.shim.shimproc import daemon_pid, run_shim
 from tests.vmconfig import write_test_config
 
 SANDBOX = "containerd.runtime.sandbox.v1.Sandbox"
-NS = f"podvm-sbapi-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
+NS = run_namespace("podvm-sbapi-test")
 MIB = 1 << 20
 KATA_DEFAULT_MEMORY = "io.katacontainers.config.hypervisor.default_memory"
 

@@ -7,10 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+from tests.conftest import run_namespace
+
 SHIM = str(pathlib.Path(sys.executable).parent / "containerd-shim-podvm-v2")
 
 
-NS = f"podvm-test-{os.getpid()}"  # per run: another run on the machine has its own
+NS = run_namespace("podvm-test")
 
 
 def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = None,

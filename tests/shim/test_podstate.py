@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,9 +19,9 @@ from shim.podstate import (STATE_FILE, VERSION, CgroupState, PodState, PodStateE
 from shim.processes import start_time
 from shim.resources import ContainerResources, Host, plan_sandbox
 from shim.resources.model import request_from_config
-from tests.conftest import require_root
+from tests.conftest import require_root, run_namespace
 
-NS = f"podstate-test-{os.getpid()}"  # per run: another run on the machine uses its own /run/podvm/<namespace>
+NS = run_namespace("podstate-test")
 
 
 def plan():
