@@ -93,6 +93,12 @@ class Agent:
         await self._call("RemoveContainer", pb.RemoveContainerRequest(
             container_id=container_id), Empty)
 
+    async def remove_process(self, container_id: str, exec_id: str,
+                             timeout: float = 10) -> None:
+        """Bounded: an exec's Delete must not hang on a guest that no longer answers."""
+        await self._call("RemoveProcess", pb.RemoveProcessRequest(
+            container_id=container_id, exec_id=exec_id), Empty, timeout)
+
     async def read(self, stream: str, container_id: str, exec_id: str,
                    max_bytes: int = 65536) -> bytes:
         method = "ReadStdout" if stream == "stdout" else "ReadStderr"

@@ -219,6 +219,26 @@ class AgentService:
         log.info("removed %s", req.container_id)
         return Empty()
 
+    async def RemoveProcess(self, req: pb.RemoveProcessRequest, ctx: Context) -> Empty:
+        """The shim's Delete of an exec: without it the agent would keep every exec a
+        container ever ran (kubelet's exec probes, one every few seconds, for the life
+        of the container), with its stdio, and refuse its id again. Its own RPC rather
+        than an exec id on RemoveContainer, where the id's empty default would remove
+        the whole container, or a forget on WaitProcess, which may be asked more than
+        once and answers before the host has drained the exec's output: only the host's
+        Delete says the host is done with it. Only an exited exec (the state model
+        refuses a running one); NOT_FOUND once forgotten, which the shim takes as done."""
+        if not req.exec_id:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"container {req.container_id}: no exec "
+                                                    f"id (an init goes with its container)")
+        container = self._container(req.container_id)
+        proc = container.process(req.exec_id)
+        async with proc.acting("delete"):
+            proc.close()
+            del container.execs[req.exec_id]
+        log.debug("forgot %s (%d exec(s) left)", proc.name, len(container.execs))
+        return Empty()
+
     async def _read(self, req: pb.ReadStreamRequest, name: str) -> pb.ReadStreamResponse:
         proc = self._container(req.container_id).process(req.exec_id)
         stream = proc.stream(name)

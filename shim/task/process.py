@@ -6,12 +6,19 @@ process's lock from its check, across the agent call, to its transition
 the check of one state."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from podvm_core.pb.containerd.types.task_pb2 import Status
 from podvm_core.procstate import (CREATED, DELETED, PAUSED, RUNNING, STOPPED, Lifecycle,
                                   ProcessState, pick)
+from podvm_core.ttrpc import Code, TtrpcError
+
+if TYPE_CHECKING:
+    from ..agent import Agent
+
+log = logging.getLogger("podvm.task")
 
 _STATUS = {CREATED: Status.CREATED, RUNNING: Status.RUNNING, PAUSED: Status.PAUSED,
            STOPPED: Status.STOPPED, DELETED: Status.UNKNOWN}
@@ -32,6 +39,25 @@ class Process(Lifecycle):
     """An exec's OCI Process, kept from Exec until Start."""
     io: Any = None
     """The ProcessIO copying its stdio, once the guest process exists."""
+
+    async def stop_io(self) -> None:
+        if self.io is not None:
+            await self.io.close()
+
+    async def forget_in_guest(self, agent: Callable[[], Agent]) -> None:
+        """An exec's Delete reaches the guest, which forgets the exec and closes the
+        stdio it holds: else the agent keeps every exec a kubelet probe ever ran, and
+        refuses its id again. NOT_FOUND is done (forgotten, or its container gone);
+        anything else, a VM that is gone included, is only logged: the host has
+        forgotten the exec already, and containerd's Delete of it succeeds."""
+        if self.io is None:
+            return  # never started: the guest never had it
+        try:
+            await agent().remove_process(self.container_id, self.exec_id)
+        except TtrpcError as exc:
+            if exc.code != Code.NOT_FOUND:
+                log.warning("%s: deleted, but the guest could not forget it: %s",
+                            self.name, exc)
 
 
 @dataclass(eq=False)

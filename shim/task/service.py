@@ -176,9 +176,9 @@ class TaskService:
                 with contextlib.suppress(TtrpcError):
                     await self._agent().signal(req.id, "", 9, True)
                 proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
-        if proc.io is not None:
-            await proc.io.close()
+        await proc.stop_io()
         if req.exec_id:
+            await proc.forget_in_guest(self._agent)
             del container.execs[req.exec_id]
         else:
             await self._remove_container(container)
@@ -189,9 +189,8 @@ class TaskService:
         return response
 
     async def _remove_container(self, container: Container) -> None:
-        for exec_proc in container.execs.values():
-            if exec_proc.io is not None:
-                await exec_proc.io.close()
+        for exec_proc in list(container.execs.values()):  # an exec's Delete may end meanwhile
+            await exec_proc.stop_io()
         del self.containers[container.id]
         pod = self.slot.pod
         if pod is not None:
@@ -293,7 +292,6 @@ class TaskService:
         """The daemon is exiting: stop the VM if it still runs."""
         for container in list(self.containers.values()):
             for proc in (container.init, *container.execs.values()):
-                if proc.io is not None:
-                    await proc.io.close()
+                await proc.stop_io()
         if self.slot.pod is not None:
             await self.slot.pod.stop()

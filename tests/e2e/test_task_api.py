@@ -183,3 +183,59 @@ async def test_concurrent_calls_on_one_process_have_one_winner(shim) -> None:
                     await asyncio.sleep(0.05)
             assert shim["deleted"].count(name) == i + 1
         assert sorted(os.listdir(shared)) == ["sb"]  # no container's files left shared
+
+
+EXEC_ROUNDS = 30
+PROBE_CAPS = ["CAP_SYS_PTRACE"]  # to read another process's /proc/<pid>/fd
+PROBE = {"args": ["sh", "-c", "ls /proc/1/fd | wc -l"], "cwd": "/", "env": ["PATH=/bin"],
+         "user": {"uid": 0, "gid": 0},
+         "capabilities": {k: PROBE_CAPS for k in ("bounding", "effective", "permitted")}}
+"""An exec that prints how many files the guest agent (PID 1 of the guest) holds open."""
+
+
+async def test_exec_probes_leave_nothing_in_the_guest(shim) -> None:
+    """kubelet runs an exec probe (ExecSync: Exec, Start, Wait, Delete) every few seconds
+    for the life of a container, here always under one id: each Delete makes the guest
+    forget the exec, so its id is free again, and the agent holds no more open files
+    (an exec's stdio) after the last round than after the first. The container shares
+    the guest's pid namespace (hostPID, as it were), so that its execs see the agent."""
+    bundle = workload_bundle(shim, "probed", args=["sleep", "1000"])
+    config = json.loads((bundle / "config.json").read_text())
+    config["linux"]["namespaces"] = [ns for ns in config["linux"]["namespaces"]
+                                     if ns["type"] != "pid"]
+    (bundle / "config.json").write_text(json.dumps(config))
+    await create(shim, "probed", bundle, Fifos(shim["tmp"], "probed"))
+    await call(shim, "Start", api.StartRequest(id="probed"), api.StartResponse)
+    open_files = []
+    for i in range(EXEC_ROUNDS):
+        fifos = Fifos(shim["tmp"], f"probe-{i}")
+        req = api.ExecProcessRequest(id="probed", exec_id="probe", **fifos.request_fields())
+        req.spec.type_url = "types.containerd.io/opencontainers/runtime-spec/1/Process"
+        req.spec.value = json.dumps(PROBE).encode()
+        async with asyncio.timeout(60):
+            await call(shim, "Exec", req)
+            await call(shim, "Start", api.StartRequest(id="probed", exec_id="probe"),
+                       api.StartResponse)
+            out = await fifos.read(fifos.out, b"\n")
+            waited = await call(shim, "Wait", api.WaitRequest(id="probed", exec_id="probe"),
+                                api.WaitResponse)
+            deleted = await call(shim, "Delete", api.DeleteRequest(id="probed",
+                                                                   exec_id="probe"),
+                                 api.DeleteResponse)
+        try:
+            err = os.read(fifos.err, 65536)
+        except BlockingIOError:
+            err = b""
+        os.close(fifos.out)
+        os.close(fifos.err)
+        assert waited.exit_status == deleted.exit_status == 0 and not err, (i, out, err)
+        open_files.append(int(out))
+    with pytest.raises(TtrpcError) as gone:
+        await call(shim, "State", api.StateRequest(id="probed", exec_id="probe"))
+    assert gone.value.code == Code.NOT_FOUND
+    # Without the forgetting, the two pipes of each finished exec would stay open.
+    assert open_files[0] > 3 and max(open_files[-5:]) <= max(open_files[:5]), open_files
+    async with asyncio.timeout(30):
+        await call(shim, "Kill", api.KillRequest(id="probed", signal=9))
+        await call(shim, "Wait", api.WaitRequest(id="probed"), api.WaitResponse)
+    await call(shim, "Delete", api.DeleteRequest(id="probed"), api.DeleteResponse)

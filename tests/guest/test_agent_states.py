@@ -1,15 +1,20 @@
 """The guest agent keeps its processes in the shim's states (podvm_core.procstate) and
 serves one operation at a time per process: its handlers, with runc replaced by a
 recorder (the real runc is for the VM tests), answer illegal calls with the shim's codes
-and let exactly one of two concurrent calls act."""
+and let exactly one of two concurrent calls act. An exec is kept until the shim deletes
+it (RemoveProcess), then forgotten with its stdio, so that exec probes run for the
+life of a container leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import pathlib
 
 import pytest
 
 from guest.agent import runc
 from guest.agent.containers import Container, Process
+from guest.agent.reaper import REAPER
 from guest.agent.service import AgentService
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.procstate import CREATED, DELETED, PAUSED, RUNNING, STOPPED, ProcessState
@@ -18,6 +23,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 CTX = Context("podvm.agent.v1.Agent", "x")
 CID = "agent-state-test"
 FP, NF = Code.FAILED_PRECONDITION, Code.NOT_FOUND
+PIDS = itertools.count(70001)
+"""Guest pids of fake execs, never one twice in a run: the reaper is the agent's one."""
 
 
 class Runc:
@@ -31,6 +38,8 @@ class Runc:
         self.calls.append(args)
         await asyncio.sleep(0.01)  # a call takes time: others arrive meanwhile
         container = self.agent.containers.get(container_id)
+        if args[0] == "exec":  # as runc exec --detach: the pid in the pid file
+            pathlib.Path(args[args.index("--pid-file") + 1]).write_text(f"{next(PIDS)}\n")
         if args[0] == "kill" and container is not None:
             if not container.init.state.live:
                 raise TtrpcError(FP, f"runc kill {container_id}: container not running")
@@ -170,3 +179,101 @@ async def test_pause_and_exec_follow_the_init(agent) -> None:
     await svc.ResumeContainer(pb.ResumeContainerRequest(container_id=CID), CTX)
     assert container.init.state is RUNNING
     assert fake.calls == [("pause", CID), ("resume", CID)]
+
+
+@pytest.fixture
+def execs(agent, tmp_path, monkeypatch) -> tuple[AgentService, Runc, Container]:
+    """A running container that execs go into, its bundle in a directory of the test's."""
+    monkeypatch.setattr(runc, "bundle_dir", lambda container_id: str(tmp_path))
+    svc, fake = agent
+    return svc, fake, add(svc, RUNNING)
+
+
+def exec_request(exec_id: str = "probe") -> pb.ExecProcessRequest:
+    return pb.ExecProcessRequest(container_id=CID, exec_id=exec_id,
+                                 process_json=b'{"args": ["true"], "cwd": "/"}',
+                                 stdio=pb.Stdio(stdout=True, stderr=True))
+
+
+def forget(exec_id: str = "probe", container_id: str = CID) -> pb.RemoveProcessRequest:
+    return pb.RemoveProcessRequest(container_id=container_id, exec_id=exec_id)
+
+
+async def exited(proc: Process, status: int = 0) -> None:
+    """The reaper saw `proc` exit, as PID 1 does."""
+    REAPER.watch(proc.pid).set_result(status)
+    await asyncio.sleep(0)
+    assert proc.state is STOPPED
+
+
+async def test_an_exited_exec_is_forgotten_with_its_stdio(execs) -> None:
+    svc, fake, container = execs
+    await svc.ExecProcess(exec_request(), CTX)
+    proc = container.execs["probe"]
+    streams = [proc.stdout, proc.stderr]
+    assert all(s is not None and s.fd >= 0 for s in streams)
+    await exited(proc, 3)
+    assert (await svc.WaitProcess(pb.WaitProcessRequest(container_id=CID, exec_id="probe"),
+                                  CTX)).exit_status == 3
+    await svc.RemoveProcess(forget(), CTX)
+    assert container.execs == {} and proc.state is DELETED
+    assert [s.fd for s in streams] == [-1, -1]  # type: ignore[union-attr]
+    for call in (svc.WaitProcess(pb.WaitProcessRequest(container_id=CID, exec_id="probe"), CTX),
+                 svc.ReadStdout(pb.ReadStreamRequest(container_id=CID, exec_id="probe"), CTX),
+                 svc.RemoveProcess(forget(), CTX)):
+        with pytest.raises(TtrpcError) as err:
+            await call
+        assert err.value.code == NF and "probe" in err.value.message
+    assert svc.containers[CID] is container and container.init.state is RUNNING
+
+
+async def test_a_running_exec_is_not_forgotten(execs) -> None:
+    svc, fake, container = execs
+    await svc.ExecProcess(exec_request(), CTX)
+    proc = container.execs["probe"]
+    with pytest.raises(TtrpcError) as err:
+        await svc.RemoveProcess(forget(), CTX)
+    assert err.value.code == FP and "probe" in err.value.message \
+        and "running" in err.value.message
+    assert container.execs == {"probe": proc} and proc.state is RUNNING
+    assert proc.stdout is not None and proc.stdout.fd >= 0
+    await exited(proc)
+    await svc.RemoveProcess(forget(), CTX)
+    assert container.execs == {}
+
+
+async def test_forgetting_what_the_guest_does_not_hold_is_not_found(execs) -> None:
+    """The shim takes NOT_FOUND as done: a repeated or late forget changes nothing."""
+    svc, fake, container = execs
+    for request in (forget("never-ran"), forget(container_id="no-such-container")):
+        with pytest.raises(TtrpcError) as err:
+            await svc.RemoveProcess(request, CTX)
+        assert err.value.code == NF
+    with pytest.raises(TtrpcError) as err:  # a container's init goes with RemoveContainer
+        await svc.RemoveProcess(forget(""), CTX)
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert container.init.state is RUNNING
+
+    await svc.ExecProcess(exec_request(), CTX)
+    await exited(container.execs["probe"])
+    results = await asyncio.gather(svc.RemoveProcess(forget(), CTX),
+                                   svc.RemoveProcess(forget(), CTX), return_exceptions=True)
+    assert codes(results) == ["NOT_FOUND", "OK"], results
+    assert container.execs == {}
+
+
+async def test_an_exec_id_is_reused_once_forgotten(execs) -> None:
+    """kubelet's ExecSync, round after round: exec, exit, delete. The id is taken until
+    the exec is forgotten, and nothing of the rounds stays behind."""
+    svc, fake, container = execs
+    pids = set()
+    for _ in range(30):
+        pid = (await svc.ExecProcess(exec_request(), CTX)).pid
+        with pytest.raises(TtrpcError) as err:
+            await svc.ExecProcess(exec_request(), CTX)
+        assert err.value.code == Code.ALREADY_EXISTS
+        await exited(container.execs["probe"])
+        await svc.RemoveProcess(forget(), CTX)
+        pids.add(pid)
+    assert len(pids) == 30 and fake.ran("exec") == 30
+    assert container.execs == {}

@@ -1,5 +1,9 @@
-"""Task service rules that do not need a VM: lookups, state checks, Shutdown."""
+"""Task service rules that do not need a VM: lookups, state checks, Shutdown, what an
+exec's Delete asks of the guest agent (a stand-in here)."""
 from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,3 +100,59 @@ async def test_illegal_operations_answer_before_touching_the_vm(service) -> None
         with pytest.raises(TtrpcError) as err:
             await handler(request, CTX)
         assert err.value.code == code, (handler.__name__, request, err.value)
+
+
+class GuestAgent:
+    """Stands in for the pod's agent: records what the shim asks it to forget, answers
+    with `error` when given one."""
+
+    def __init__(self, error: TtrpcError | None = None) -> None:
+        self.forgotten: list[tuple[str, str]] = []
+        self.error = error
+
+    async def remove_process(self, container_id: str, exec_id: str) -> None:
+        self.forgotten.append((container_id, exec_id))
+        if self.error is not None:
+            raise self.error
+
+
+class CopiedIO:
+    """A started process's stdio copy."""
+
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("answer", [None, TtrpcError(Code.NOT_FOUND, "exec e1 not found"),
+                                    TtrpcError(Code.UNAVAILABLE, "the guest agent is gone")],
+                         ids=["forgotten", "not-found", "vm-gone"])
+async def test_delete_of_a_started_exec_makes_the_guest_forget_it(service, answer, caplog) -> None:
+    """Whatever the guest answers, the exec's Delete succeeds and frees its id; only an
+    answer other than NOT_FOUND (the guest forgot it already) is worth a warning."""
+    svc, _ = service
+    agent = GuestAgent(answer)
+    svc.slot.pod = SimpleNamespace(agent=agent)  # type: ignore[assignment]
+    c = add(svc, "c1", RUNNING, e1=STOPPED, e2=STOPPED)
+    io = c.execs["e1"].io = CopiedIO()
+    c.execs["e1"].exit_status = 3
+    with caplog.at_level(logging.WARNING, "podvm.task"):
+        resp = await svc.Delete(api.DeleteRequest(id="c1", exec_id="e1"), CTX)
+    assert resp.exit_status == 3 and io.closed and set(c.execs) == {"e2"}
+    assert agent.forgotten == [("c1", "e1")]
+    warned = [r.getMessage() for r in caplog.records]
+    if answer is not None and answer.code == Code.UNAVAILABLE:
+        assert any("e1" in m and "gone" in m for m in warned), warned
+    else:
+        assert warned == []
+    await svc.Delete(api.DeleteRequest(id="c1", exec_id="e2"), CTX)  # never started
+    assert agent.forgotten == [("c1", "e1")] and c.execs == {}
+
+
+async def test_delete_of_a_started_exec_without_a_vm_succeeds(service) -> None:
+    svc, _ = service
+    c = add(svc, "c1", RUNNING, e1=STOPPED)
+    c.execs["e1"].io = CopiedIO()
+    await svc.Delete(api.DeleteRequest(id="c1", exec_id="e1"), CTX)
+    assert c.execs == {}
