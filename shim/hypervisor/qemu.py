@@ -175,14 +175,15 @@ class QemuVM(VM):
         proc = self._proc
         if proc is None:
             return None
-        if proc.returncode is None and grace > 0:
+        status = proc.returncode if proc.returncode is not None else _peek_exit(proc.pid)
+        if status is None and grace > 0:
             try:
                 await asyncio.wait_for(proc.wait(), grace)
             except TimeoutError:
                 pass
-        if proc.returncode is None:
+            status = proc.returncode
+        if status is None:
             return None
-        status = proc.returncode
         how = (f"was killed by signal {signal.Signals(-status).name}" if status < 0
                else f"exited with status {status}")
         when = "while the pod was running" if self._booted else "before the guest came up"
@@ -376,6 +377,21 @@ class QemuVM(VM):
         if self._proc is None:
             raise HypervisorError("VM was never launched")
         return await self._proc.wait()
+
+
+def _peek_exit(pid: int) -> int | None:
+    """How a child that has ended did (as Popen.returncode: -N for signal N), read
+    without reaping it: asyncio's child watcher, which reaps it, may not have run yet
+    on a busy machine. None while it runs or once it is reaped."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status  # CLD_KILLED, CLD_DUMPED
 
 
 def _unlink(path: str) -> None:

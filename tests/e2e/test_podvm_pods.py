@@ -222,9 +222,12 @@ def test_a_guest_that_dies(ctd, crictl, configs) -> None:
                       lambda: (s := crictl.inspect(cid)["status"])["state"]
                       == "CONTAINER_EXITED" and s, timeout=90)
     assert status["exitCode"] == 255
-    wait_for("the shim to say how QEMU ended, in containerd's log",
-             lambda: f"(pid {vm}) of sandbox {pod_id} was killed by signal SIGKILL while the "
-                     f"pod was running" in ctd.log())
+    said = f"(pid {vm}) of sandbox {pod_id} was killed by signal SIGKILL while the pod was running"
+    try:
+        wait_for("the shim to say how QEMU ended, in containerd's log", lambda: said in ctd.log())
+    except AssertionError as exc:  # what the shim did say, for whoever reads the failure
+        shim = [line for line in ctd.log().splitlines() if pod_id in line and "podvm" in line]
+        raise AssertionError(f"{exc}; the shim's last lines:\n" + "\n".join(shim[-25:])) from None
     refused = crictl.exec(cid, "true")
     assert refused.exit_code != 0
     remove_pod(crictl, pod_id)
