@@ -30,6 +30,11 @@ class Agent:
         """Over the connection the VM made to the agent's port before its guest ran."""
         return cls(Client(*vm.take_agent_stream()), vm.spec.sandbox_id)
 
+    @property
+    def lost(self) -> bool:
+        """The connection to the agent is gone: the VM died, or is dying."""
+        return self._client.closed
+
     async def close(self) -> None:
         await self._client.close()
 

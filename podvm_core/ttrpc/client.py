@@ -129,6 +129,11 @@ class Client:
         finally:
             self._fail_pending(reason)
 
+    @property
+    def closed(self) -> bool:
+        """The connection is gone (closed here, by the peer, or lost)."""
+        return self._closed is not None
+
     def _fail_pending(self, reason: BaseException) -> None:
         if self._closed is None:
             self._closed = reason

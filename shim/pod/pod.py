@@ -88,7 +88,7 @@ class Pod:
         self._listeners: list[PodListener] = []
         self._allocator = None
         self._applying = asyncio.Lock()
-        self._death_told = False
+        self._death: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
 
     @classmethod
@@ -172,9 +172,11 @@ class Pod:
         sandbox = self.sandbox
         if sandbox is None:
             return
-        if sandbox.vm is not None and sandbox.vm.dead():
-            # It died before this stop (containerd stops a pod whose processes it was told
-            # ended): say how, which the watcher would not, seeing the pod stopped.
+        if sandbox.vm is not None and (sandbox.vm.dead() or (
+                sandbox.agent is not None and sandbox.agent.lost)):
+            # It died (or is dying: the agent's connection closes as QEMU exits) before
+            # this stop, which containerd asks for once told the pod's processes ended:
+            # say how, which the watcher would not, seeing the pod stopped.
             await self._died(sandbox)
         elif grace > 0 and sandbox.agent is not None and self.placed:
             await self._kill_all(sandbox.agent, grace)
@@ -441,10 +443,15 @@ class Pod:
         """The VM ended under the pod: the listeners hear how, once (the watcher and a
         stop that finds the VM dead may both get here)."""
         assert sandbox.vm is not None
-        if self._death_told:
-            return
-        self._death_told = True
-        self.gone = await sandbox.vm.exited(grace=2) or HypervisorError("QEMU is gone")
+        if self._death is None:
+            self._death = asyncio.ensure_future(self._tell_death(sandbox))
+        # Shielded: stop() cancels the watcher, and the listeners must still hear it.
+        await asyncio.shield(self._death)
+
+    async def _tell_death(self, sandbox: Sandbox) -> None:
+        assert sandbox.vm is not None
+        self.gone = await sandbox.vm.exited(grace=5) or HypervisorError(
+            "the guest agent's connection closed, QEMU still running")
         log.error("sandbox %s: %s", self.id, self.gone)
         for listener in self._listeners:
             listener.vm_exited(self.gone)
