@@ -25,7 +25,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 from . import config
 from .pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
                           pod_resources)
-from .pod.pod import Pod, host_namespaces_refusal
+from .pod.hostns import host_namespaces_refusal
+from .pod.pod import Pod
 from .pod.slot import VM_GONE_STATUS, PodSlot
 from .sandbox import host
 

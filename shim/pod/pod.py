@@ -27,6 +27,7 @@ from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
+from .hostns import HOST_NAMESPACES, host_namespaces_refusal
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
 if TYPE_CHECKING:
@@ -34,19 +35,6 @@ if TYPE_CHECKING:
     from ..stdio import Stdio
 
 log = logging.getLogger("podvm.pod")
-
-
-HOST_NAMESPACES = {"network": "hostNetwork", "pid": "hostPID", "ipc": "hostIPC"}
-
-
-def host_namespaces_refusal(shared: list[str]) -> TtrpcError:
-    """The answer for a pod that would share the host's `shared` namespaces (OCI names):
-    a VM has its own kernel, so it cannot honour them."""
-    fields = ", ".join(f"{HOST_NAMESPACES[ns]}: true" for ns in shared)
-    return TtrpcError(Code.INVALID_ARGUMENT, (
-        f"podvm runs the pod in a VM, with its own kernel: a pod that shares the host's "
-        f"{' and '.join(shared)} namespace{'s' if len(shared) > 1 else ''} ({fields}; CRI "
-        f"namespace option NODE) cannot be; run it with runc"))
 
 
 class StaticRefusal(Exception):
