@@ -96,7 +96,7 @@ class PodState:
         if data["version"] != VERSION:
             raise PodStateError(f"{where}: pod state version {data['version']!r} is not the "
                                 f"one this podvm knows ({VERSION}): written by another podvm")
-        return _from_json(cls, data, where)
+        return dataclass_from_json(cls, data, where)
 
     def save(self, path: str) -> None:
         """Replace the file whole: a crash leaves the old state or the new."""
@@ -128,7 +128,7 @@ def _to_json(value: object) -> object:
     return value
 
 
-def _from_json(cls: type, data: object, where: str) -> Any:
+def dataclass_from_json(cls: type, data: object, where: str) -> Any:
     """A dataclass from its JSON object, every field checked against its type hint."""
     if not isinstance(data, dict):
         raise PodStateError(f"{where}: expected an object, not {_kind(data)}")
@@ -157,7 +157,7 @@ def _value(hint: Any, value: object, where: str) -> Any:
         (hint,) = [a for a in args if a is not type(None)]
         return _value(hint, value, where)
     if dataclasses.is_dataclass(hint):
-        return _from_json(hint, value, where)
+        return dataclass_from_json(hint, value, where)
     if origin is tuple and isinstance(value, list):
         return tuple(_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin in (collections.abc.Mapping, dict) and isinstance(value, dict):

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 from .errors import NamespaceGone, NetworkError
-from .model import Address, Interface, PodNetwork, Route, TapNic
+from ..podstate import dataclass_from_json
+from .model import PodNetwork, TapNic
 
 MAX_REPLY = 1 << 20
 MAX_FDS = 64  # two per interface (tap, vhost-net)
@@ -22,7 +23,7 @@ async def attach(netns: str) -> tuple[PodNetwork, tuple[TapNic, ...]]:
     the caller owns (TapNic.close() once QEMU has them)."""
     reply, fds = await _run("attach", netns)
     try:
-        network = network_from_json(reply["network"])
+        network = dataclass_from_json(PodNetwork, reply["network"], "the network worker's answer")
         nics, taken = [], 0
         for n in reply["nics"]:
             tap_fd = fds[taken]
@@ -42,15 +43,6 @@ async def attach(netns: str) -> tuple[PodNetwork, tuple[TapNic, ...]]:
 async def detach(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
     """Remove podvm's taps and redirects from the namespace; idempotent."""
     await _run("detach", netns, *taps)
-
-
-def network_from_json(data: dict) -> PodNetwork:
-    return PodNetwork(
-        netns=data["netns"],
-        interfaces=tuple(Interface(i["name"], i["mac"], i["mtu"],
-                                   tuple(Address(**a) for a in i["addresses"]))
-                         for i in data["interfaces"]),
-        routes=tuple(Route(**r) for r in data["routes"]))
 
 
 def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:

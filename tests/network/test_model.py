@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 from shim.network.model import Address, Interface, PodNetwork, Route, TapNic
-from shim.podstate import _from_json
+from shim.podstate import dataclass_from_json
 
 
 def test_qemu_arguments() -> None:
@@ -30,6 +30,6 @@ def test_a_pod_network_through_json_as_the_pod_state_keeps_it() -> None:
                       protocol="kernel"),
                 Route("::/0", "eth0", gateway="fd00:9::1", metric=1024)))
     text = json.dumps(dataclasses.asdict(net))
-    assert _from_json(PodNetwork, json.loads(text), "test") == net
+    assert dataclass_from_json(PodNetwork, json.loads(text), "test") == net
     assert [r.is_default for r in net.routes] == [True, False, True]
     assert [str(a) for a in net.interfaces[0].addresses] == ["10.9.0.2/24", "fd00:9::2/64"]
