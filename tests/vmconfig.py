@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 from shim.config import Config, QemuConfig, RuntimeConfig
 from tests.conftest import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-GUEST = ROOT / "build" / "guest"
+# PODVM_GUEST_DIR: another image (one being built and tried beside the default one)
+GUEST = pathlib.Path(os.environ.get("PODVM_GUEST_DIR") or ROOT / "build" / "guest")
 
 
 def guest_image() -> tuple[str, str]:
