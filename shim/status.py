@@ -187,8 +187,11 @@ def render(report: dict) -> str:
              f"QEMU pid {report['qemu_pid'] or '-'}, shim pid {report['shim_pid'] or '-'}"]
     if plan:
         quota = plan["cgroup_cpu_quota"]
+        capped = plan.get("uncapped_vcpus", 0) > plan["vcpus"]
         lines += [
-            f"plan: {plan['vcpus']} vCPUs (up to {plan['max_vcpus']}), {plan['memory_mib']} MiB "
+            f"plan: {plan['vcpus']} vCPUs (" + (
+                f"capped from {plan['uncapped_vcpus']}: at most " if capped else "up to ") +
+            f"{plan['max_vcpus']}), {plan['memory_mib']} MiB "
             f"(up to {plan['max_memory_mib']} MiB); sandbox cgroup: cpu "
             f"{'quota %d/%d us' % (quota, plan['cgroup_cpu_period']) if quota > 0 else 'no quota'}"
             f", shares {plan['cgroup_cpu_shares']}, memory "

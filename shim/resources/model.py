@@ -7,6 +7,10 @@
   own share, so the RuntimeClass overhead podvm reports makes Kubernetes' view equal the VM.
 - no limits at all: the defaults.
 - sizing "max": max(default, workload) instead of the sum.
+- vCPUs are capped at the most the VM may have (`default_maxvcpus`, or the host's CPUs):
+  CPU is compressible, and the sandbox cgroup's quota, which stays what the pod asked,
+  enforces its limit; a pod Kubernetes admitted runs (Kata clamps the same way). Memory is
+  not compressible: a pod whose memory cannot fit is refused.
 """
 from __future__ import annotations
 
@@ -105,6 +109,9 @@ class SandboxPlan:
     pod_cgroup_memory_mib: int = 0
     """The pod cgroup's memory limit the plan was checked against; 0 = none. A running
     pod's growth is checked against it too (plan_update)."""
+    uncapped_vcpus: int = 0
+    """The vCPUs the sizing rules give before the cap at `max_vcpus`: more than `vcpus`
+    when the pod was capped."""
     explanation: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -140,13 +147,15 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                    f"{req.default_memory_mib} + {workload_mib} = {memory} MiB")
     max_vcpus = req.max_vcpus or host.cpus
     max_memory = req.max_memory_mib or host.memory_mib
-    why.append(f"at most {max_vcpus} vCPUs ("
-               f"{'default_maxvcpus' if req.max_vcpus else 'the host CPUs'}) and "
-               f"{max_memory} MiB ("
+    vcpu_bound = 'default_maxvcpus' if req.max_vcpus else 'the host CPUs'
+    why.append(f"at most {max_vcpus} vCPUs ({vcpu_bound}) and {max_memory} MiB ("
                f"{'default_maxmemory' if req.max_memory_mib else 'the host memory'})")
+    uncapped_vcpus = vcpus
     if vcpus > max_vcpus:
-        raise NoFit(f"the pod needs {vcpus} vCPUs but at most {max_vcpus} are allowed "
-                    f"({'default_maxvcpus' if req.max_vcpus else 'host CPUs'})")
+        vcpus = max_vcpus
+        why.append(f"vCPUs capped at {max_vcpus} ({vcpu_bound}) instead of "
+                   f"{uncapped_vcpus}: CPU is compressible, and the sandbox cgroup's quota, "
+                   f"left as the pod asked, enforces its CPU limit")
     if memory > max_memory:
         raise NoFit(f"the pod needs {memory} MiB of VM memory but at most {max_memory} MiB "
                     f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
@@ -204,7 +213,7 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                        workload_cpus=round(workload_cpus, 3), workload_memory_mib=workload_mib,
                        vmm_overhead_mib=req.memory_overhead_mib,
                        pod_cgroup_memory_mib=req.pod_cgroup_memory_mib,
-                       explanation=tuple(why))
+                       uncapped_vcpus=uncapped_vcpus, explanation=tuple(why))
 
 
 def request_from_config(config: Config, pod: ContainerResources) -> SandboxRequest:

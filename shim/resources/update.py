@@ -9,6 +9,8 @@ from the plan in force to the new one is a `PlanDelta` the actuators carry out. 
   static CPU manager gives every container of the node a cpuset, the none policy none).
 - dynamic mode: vCPUs follow the plan (hot-plug up; unplug only what was hot-added);
   memory grows in whole hot-plug blocks and is never taken back.
+- vCPUs beyond the VM's maximum: the plan is capped there (plan_sandbox), so an update
+  asking for more gets the maximum and its CPU quota as asked, never a refusal.
 - static mode (no hot-plug, confidential VMs): the VM keeps its boot size; a plan larger
   than it is refused with the numbers; anything within it is applied.
 """

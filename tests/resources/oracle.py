@@ -29,6 +29,8 @@ class Expected:
     and every reason to refuse it (empty: it must be planned)."""
 
     vcpus: int
+    """Capped at the VM's maximum (the host's CPUs or default_maxvcpus)."""
+    uncapped_vcpus: int
     memory_mib: int
     workload_mib: int
     cgroup_cpu_quota: int
@@ -68,10 +70,8 @@ def expected_plan(req: SandboxRequest, host: Host) -> Expected:
         guest_cpus = req.default_vcpus
     with_qemu = memory + req.memory_overhead_mib
     reasons: list[Reason] = []
+    # CPU is compressible: more vCPUs than the VM may have is never a reason to refuse
     max_vcpus = req.max_vcpus or host.cpus
-    if vcpus > max_vcpus:
-        reasons.append((f"{vcpus} vCPUs", f"at most {max_vcpus}",
-                        "default_maxvcpus" if req.max_vcpus else "host CPUs"))
     max_memory = req.max_memory_mib or host.memory_mib
     if memory > max_memory:
         reasons.append((f"{memory} MiB", f"at most {max_memory} MiB",
@@ -89,8 +89,9 @@ def expected_plan(req: SandboxRequest, host: Host) -> Expected:
     if req.pod_cgroup_cpus and quota > 0 and \
             Fraction(quota, period) > Fraction(req.pod_cgroup_cpus) + Fraction(1, 10**9):
         reasons.append(("pod cgroup allows", f"overhead.podFixed.cpu >= {guest_cpus * 1000}m"))
-    return Expected(vcpus=vcpus, memory_mib=memory, workload_mib=mib, cgroup_cpu_quota=quota,
-                    cgroup_cpu_period=period, reasons=tuple(reasons))
+    return Expected(vcpus=min(vcpus, max_vcpus), uncapped_vcpus=vcpus, memory_mib=memory,
+                    workload_mib=mib, cgroup_cpu_quota=quota, cgroup_cpu_period=period,
+                    reasons=tuple(reasons))
 
 
 def expected_update(current: SandboxPlan, boot: SandboxPlan, wanted: Expected, static: bool,

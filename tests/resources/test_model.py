@@ -51,10 +51,45 @@ def test_no_limits_gives_the_defaults_and_max_policy() -> None:
     assert (plan.vcpus, plan.memory_mib) == (3, 256)
 
 
-@pytest.mark.parametrize("pod, kw, message", [
-    (ContainerResources(cpu_quota=2_000_000, cpu_period=100_000), {}, "21 vCPUs but at most 16"),
-    (ContainerResources(cpu_quota=400_000, cpu_period=100_000), {"max_vcpus": 4},
+def test_issue_example_1_5_cpus_on_a_2_cpu_host_runs_with_2_vcpus() -> None:
+    """Kubernetes admits a 1.5 CPU limit on a 2-CPU node: the VM gets the host's 2 CPUs,
+    the sandbox cgroup the pod's 1.5 CPUs plus the guest's own."""
+    pod = ContainerResources(cpu_quota=150_000, cpu_period=100_000, memory_limit=128 * MIB)
+    plan = plan_sandbox(request(pod), Host(cpus=2, memory_mib=4096))
+    assert (plan.vcpus, plan.uncapped_vcpus, plan.max_vcpus) == (2, 3, 2)
+    assert (plan.cgroup_cpu_quota, plan.cgroup_cpu_period) == (250_000, 100_000)
+    assert "vCPUs capped at 2 (the host CPUs) instead of 3" in " ".join(plan.explanation)
+
+
+@pytest.mark.parametrize("pod, kw, cap, uncapped, bound", [
+    (ContainerResources(cpu_quota=2_000_000, cpu_period=100_000), {}, 16, 21,
+     "the host CPUs"),
+    (ContainerResources(cpu_quota=400_000, cpu_period=100_000), {"max_vcpus": 4}, 4, 5,
      "default_maxvcpus"),
+    (ContainerResources(cpu_quota=-1, cpu_period=100_000, cpu_shares=8192), {"max_vcpus": 4},
+     4, 9, "default_maxvcpus"),
+    (ContainerResources(), {"default_vcpus": 6, "max_vcpus": 4}, 4, 6, "default_maxvcpus"),
+])
+def test_vcpus_beyond_the_maximum_are_capped_and_the_cgroup_keeps_what_the_pod_asked(
+        pod, kw, cap, uncapped, bound) -> None:
+    plan = plan_sandbox(request(pod, **kw), HOST)
+    assert (plan.vcpus, plan.uncapped_vcpus) == (cap, uncapped)
+    assert f"vCPUs capped at {cap} ({bound}) instead of {uncapped}" in \
+        " ".join(plan.explanation)
+    uncapped_plan = plan_sandbox(request(pod, **{**kw, "max_vcpus": 64}), Host(64, 65536))
+    assert (plan.cgroup_cpu_quota, plan.cgroup_cpu_shares) == \
+        (uncapped_plan.cgroup_cpu_quota, uncapped_plan.cgroup_cpu_shares)
+    assert uncapped_plan.vcpus == uncapped_plan.uncapped_vcpus == uncapped
+    assert "capped" not in " ".join(uncapped_plan.explanation)
+
+
+def test_a_capped_pod_whose_memory_cannot_fit_is_still_refused() -> None:
+    pod = ContainerResources(cpu_quota=400_000, cpu_period=100_000, memory_limit=1024 * MIB)
+    with pytest.raises(NoFit, match="1280 MiB of VM memory but at most 1024 MiB"):
+        plan_sandbox(request(pod, max_vcpus=2, max_memory_mib=1024), HOST)
+
+
+@pytest.mark.parametrize("pod, kw, message", [
     (ContainerResources(memory_limit=100 * 1024 * MIB), {}, "host memory"),
     (ContainerResources(memory_limit=1024 * MIB), {"max_memory_mib": 1024}, "default_maxmemory"),
 ])
@@ -135,6 +170,7 @@ def test_pods_that_fit_are_planned_by_the_rules(req: SandboxRequest) -> None:
     plan = plan_sandbox(req, HOST)
     pod = req.pod
     assert (plan.vcpus, plan.memory_mib) == (expected.vcpus, expected.memory_mib)
+    assert plan.uncapped_vcpus == expected.uncapped_vcpus
     assert (plan.cgroup_cpu_quota, plan.cgroup_cpu_period) == \
         (expected.cgroup_cpu_quota, expected.cgroup_cpu_period)
     assert plan.vcpus <= plan.max_vcpus and plan.memory_mib <= plan.max_memory_mib
@@ -161,6 +197,27 @@ def test_plans_are_refused_exactly_when_the_rules_say_so(req: SandboxRequest) ->
         return
     assert_admission_expected(expected.reasons)
     assert (plan.vcpus, plan.memory_mib) == (expected.vcpus, expected.memory_mib)
+    assert (plan.cgroup_cpu_quota, plan.cgroup_cpu_period) == \
+        (expected.cgroup_cpu_quota, expected.cgroup_cpu_period)
+
+
+@PROPERTIES
+@given(req=any_requests)
+def test_vcpus_are_capped_never_refused(req: SandboxRequest) -> None:
+    """A pod is never refused for CPU: its vCPUs stop at the VM's maximum, the plan says
+    so, and the sandbox cgroup's quota stays what the pod asked."""
+    expected = expected_plan(req, HOST)
+    try:
+        plan = plan_sandbox(req, HOST)
+    except NoFit as exc:  # memory alone: the rules give no reason about CPUs
+        assert_refusal_expected(str(exc), expected.reasons)
+        assert "vCPU" not in str(exc)
+        return
+    assert plan.vcpus == min(expected.uncapped_vcpus, req.max_vcpus or HOST.cpus)
+    assert plan.uncapped_vcpus == expected.uncapped_vcpus
+    capped = f"vCPUs capped at {plan.vcpus}"
+    assert (capped in " ".join(plan.explanation)) == (plan.uncapped_vcpus > plan.vcpus)
+    assert plan.cgroup_cpu_quota == expected.cgroup_cpu_quota
 
 
 @PROPERTIES
@@ -207,10 +264,11 @@ def test_most_generated_pods_are_planned() -> None:
 def test_the_properties_fail_for_a_model_that_refuses_everything(monkeypatch) -> None:
     """The properties above assert plans, not just the absence of errors."""
     def refuse(req: SandboxRequest, host: Host) -> SandboxPlan:
-        raise NoFit("the pod needs 1 vCPUs but at most 0 are allowed (host CPUs)")
+        raise NoFit("the pod needs 1 MiB of VM memory but at most 0 MiB are allowed (host memory)")
 
     monkeypatch.setattr(sys.modules[__name__], "plan_sandbox", refuse)
     for prop in (test_pods_that_fit_are_planned_by_the_rules,
                  test_plans_are_refused_exactly_when_the_rules_say_so,
+                 test_vcpus_are_capped_never_refused,
                  test_a_pod_cgroup_with_the_reported_overhead_admits_the_plan):
         assert_fails(prop, NoFit, AssertionError)

@@ -70,10 +70,12 @@ def request(pod: ContainerResources, kw: dict) -> SandboxRequest:
 
 
 def config(pick: Pick) -> dict:
-    """Maxima below what four containers may ask for: some pods do not fit."""
+    """Maxima below what four containers may ask for: some pods are capped (vCPUs), some
+    do not fit (memory)."""
     return {"default_vcpus": pick.integer(1, 3),
             "default_memory_mib": pick.choice([128, 256, 2048]),
-            "max_vcpus": pick.choice([0, 8, 12]), "max_memory_mib": pick.choice([0, 4096, 8192]),
+            "max_vcpus": pick.choice([0, 8, 12]),
+            "max_memory_mib": pick.choice([0, 2048, 4096, 8192]),
             "sizing": pick.choice(["sum", "max"]), "memory_overhead_mib": pick.choice([0, 256])}
 
 
@@ -82,7 +84,8 @@ configs = strategy(config)
 
 def check_plan(plan: SandboxPlan, pod: ContainerResources, kw: dict) -> None:
     """What every plan in force promises."""
-    assert plan.vcpus >= math.ceil(pod.quota_cpus - 1e-9) and plan.vcpus >= 1
+    assert plan.vcpus >= min(math.ceil(pod.quota_cpus - 1e-9), plan.max_vcpus)
+    assert plan.vcpus >= 1
     assert plan.vcpus <= plan.max_vcpus and plan.memory_mib <= plan.max_memory_mib
     assert plan.memory_mib >= math.ceil(pod.memory_limit / MIB)
     if plan.cgroup_memory_limit != -1:  # -1: the pod has no memory limit at all
@@ -120,8 +123,9 @@ def test_boot_plan(containers, kw, annotated) -> None:
     union = set().union(*(parse_cpu_list(c.cpuset) for c in containers.values() if c.cpuset))
     assert (parse_cpu_list(plan.cpuset) if plan.cpuset else set()) == union
     if kw["sizing"] == "sum":
-        assert plan.vcpus == math.ceil(kw["default_vcpus"] + (pod.quota_cpus or (
+        assert plan.uncapped_vcpus == math.ceil(kw["default_vcpus"] + (pod.quota_cpus or (
             pod.cpu_shares / 1024 if pod.cpu_shares > 2 else 0)) - 1e-9)
+        assert plan.vcpus == min(plan.uncapped_vcpus, plan.max_vcpus)
         assert plan.memory_mib == kw["default_memory_mib"] + math.ceil(pod.memory_limit / MIB)
         # Kubernetes' view (limits + the overhead podvm reports) is what the host gives
         if plan.cgroup_memory_limit != -1:
@@ -274,7 +278,7 @@ def test_most_boots_and_steps_are_planned() -> None:
 def test_the_properties_fail_for_a_model_that_refuses_everything(monkeypatch) -> None:
     """The properties above assert plans, not just the absence of errors."""
     def refuse(req: SandboxRequest, host: Host) -> SandboxPlan:
-        raise NoFit("the pod needs 1 vCPUs but at most 0 are allowed (host CPUs)")
+        raise NoFit("the pod needs 1 MiB of VM memory but at most 0 MiB are allowed (host memory)")
 
     monkeypatch.setattr(sys.modules[__name__], "plan_sandbox", refuse)
     for prop in (test_boot_plan, test_a_pod_s_life):

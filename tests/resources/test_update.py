@@ -63,6 +63,20 @@ def test_dynamic_shrink_unplugs_hot_added_cpus_and_keeps_memory() -> None:
     assert any("never taken back" in n for n in delta.notes) and not delta.grows
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_an_update_beyond_the_vcpu_cap_gets_the_cap_and_the_quota_it_asked(static) -> None:
+    """Booted at the cap (1.5 CPUs + the guest's vCPU on a VM of at most 2), then asking
+    for 3.5 CPUs: applied in both modes, with 2 vCPUs and a quota of 3.5 + 1 CPUs."""
+    boot = plan_for(cpus(1.5), max_vcpus=2)
+    assert (boot.vcpus, boot.uncapped_vcpus) == (2, 3)
+    delta = plan_update(boot, boot, plan_for(cpus(3.5), max_vcpus=2), static=static)
+    assert (delta.add_vcpus, delta.remove_vcpus, delta.plan.vcpus) == (0, 0, 2)
+    assert delta.plan.uncapped_vcpus == 5
+    assert (delta.plan.cgroup_cpu_quota, delta.plan.cgroup_cpu_period) == (450_000, 100_000)
+    assert "vCPUs capped at 2 (default_maxvcpus) instead of 5" in \
+        " ".join(delta.plan.explanation)
+
+
 def test_static_refuses_growth_with_numbers_and_applies_what_fits() -> None:
     boot = plan_for(cpus(2.5, 512))
     assert (boot.vcpus, boot.memory_mib) == (4, 768)
@@ -253,7 +267,8 @@ def steps_of_a_life(sandbox: ContainerResources, steps: list[dict[str, Container
         if static:
             assert (plan.vcpus, plan.memory_mib) == (boot.vcpus, boot.memory_mib)
         else:
-            assert plan.vcpus >= math.ceil(pod.quota_cpus) and plan.vcpus >= boot.vcpus
+            assert plan.vcpus >= min(math.ceil(pod.quota_cpus), plan.max_vcpus)
+            assert plan.vcpus >= boot.vcpus
             assert plan.vcpus == max(boot.vcpus, expected.vcpus)
             assert plan.memory_mib >= max(current.memory_mib, expected.memory_mib)
             assert (plan.memory_mib - boot.memory_mib) % 128 == 0
@@ -296,7 +311,7 @@ def test_most_steps_are_applied() -> None:
 def test_the_properties_fail_for_a_model_that_refuses_everything(monkeypatch) -> None:
     """The properties above assert plans, not just the absence of errors."""
     def refuse(req: SandboxRequest, host: Host) -> SandboxPlan:
-        raise NoFit("the pod needs 1 vCPUs but at most 0 are allowed (host CPUs)")
+        raise NoFit("the pod needs 1 MiB of VM memory but at most 0 MiB are allowed (host memory)")
 
     monkeypatch.setattr(sys.modules[__name__], "plan_sandbox", refuse)
     for prop in (test_memory_blocks_are_refused_exactly_when_they_do_not_fit,
