@@ -15,6 +15,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from . import containers, holder, network, oci, resources, runc
 from .containers import Container
+from .oom import OOMKills
 
 log = logging.getLogger("podvm.agent")
 
@@ -24,8 +25,7 @@ VERSION = "0.1.0"
 class AgentService:
     def __init__(self) -> None:
         self.containers: dict[str, Container] = {}
-        self._oom: asyncio.Queue[str] = asyncio.Queue()
-        self._oom_counts: dict[str, int] = {}
+        self.oom_kills = OOMKills()
         self._pod_namespaces: containers.Process | None = None
         """The holder of the pod's namespaces when no sandbox container does."""
         self._network = asyncio.Lock()
@@ -141,7 +141,8 @@ class AgentService:
                           ctx: Context) -> pb.WaitProcessResponse:
         proc = self._container(req.container_id).process(req.exec_id)
         await proc.exited.wait()
-        response = pb.WaitProcessResponse(exit_status=proc.exit_status or 0)
+        response = pb.WaitProcessResponse(exit_status=proc.exit_status or 0, oom_killed=(
+            not req.exec_id and self.oom_kills.take_at_exit(req.container_id)))
         response.exited_at.FromNanoseconds(proc.exited_at_ns)
         return response
 
@@ -207,7 +208,7 @@ class AgentService:
             for proc in (container.init, *container.execs.values()):
                 proc.close()
             del self.containers[req.container_id]
-        self._oom_counts.pop(req.container_id, None)
+        self.oom_kills.forget(req.container_id)
         import shutil  # only now: every import before the agent serves costs boot time
 
         shutil.rmtree(runc.bundle_dir(req.container_id), ignore_errors=True)
@@ -292,16 +293,10 @@ class AgentService:
             await asyncio.sleep(0.05)
 
     async def GetOOMEvent(self, req: pb.GetOOMEventRequest, ctx: Context) -> pb.OOMEvent:
-        return pb.OOMEvent(container_id=await self._oom.get())
+        return pb.OOMEvent(container_id=await self.oom_kills.next())
 
     async def watch_oom(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            for container_id in list(self.containers):
-                kills = resources.oom_kills(container_id)
-                if kills > self._oom_counts.get(container_id, 0):
-                    self._oom.put_nowait(container_id)
-                self._oom_counts[container_id] = kills
+        await self.oom_kills.watch(lambda: self.containers)
 
     async def Shutdown(self, req: pb.ShutdownRequest, ctx: Context) -> Empty:
         log.info("shutdown: stopping %d container(s)", len(self.containers))

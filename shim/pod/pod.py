@@ -47,7 +47,8 @@ class PodListener(Protocol):
         """The VM died under the pod (not stopped on purpose)."""
 
     def container_oom(self, container_id: str) -> None:
-        """The guest's OOM killer killed a process of the container."""
+        """The guest's OOM killer killed a process of the container while it ran (a kill
+        that ended its init comes with the init's exit instead)."""
 
     def vm_stopped(self) -> None:
         """The VM was stopped on purpose; what ran in it has ended."""
@@ -451,7 +452,6 @@ class Pod:
             except TtrpcError as exc:
                 log.debug("OOM watch of sandbox %s ended: %s", self.id, exc)
                 return
-            log.warning("container %s: out of memory in the guest", container_id)
             for listener in self._listeners:
                 listener.container_oom(container_id)
 

@@ -1,5 +1,7 @@
 """How containerd hears about a pod's processes: events, published in order, and exits,
-from the guest when it reports them or assumed when the VM goes from under them."""
+from the guest when it reports them or assumed when the VM goes from under them. An OOM
+kill the guest reports with a container's exit is published before it, as containerd's
+runc shim does: CRI's container status then reads OOMKilled."""
 from __future__ import annotations
 
 import asyncio
@@ -34,13 +36,17 @@ class Reporter:
         task.add_done_callback(self._background.discard)
 
     async def _reap(self, proc: Process, agent: Callable) -> None:
-        """Wait for the guest process to exit, let its output drain, report the exit."""
+        """Wait for the guest process to exit, let its output drain, report the exit
+        (and the OOM kill that came with it first)."""
         try:
             result = await agent().wait(proc.container_id, proc.exec_id)
             status, at_ns = result.exit_status, result.exited_at.ToNanoseconds()
         except TtrpcError as exc:
             log.warning("%s: lost track of the process: %s", proc.name, exc)
             status, at_ns = VM_GONE_STATUS, time.time_ns()
+        else:
+            if result.oom_killed:
+                self.oom(proc.container_id)
         if proc.io is not None:
             await proc.io.drained()
         self.exited(proc, status, at_ns or time.time_ns())
@@ -56,6 +62,11 @@ class Reporter:
                                 exit_status=status)
         event.exited_at.FromNanoseconds(at_ns)
         self.publish("/tasks/exit", event)
+
+    def oom(self, container_id: str) -> None:
+        """The guest's OOM killer struck the container."""
+        log.warning("container %s: out of memory in the guest", container_id)
+        self.publish("/tasks/oom", events.TaskOOM(container_id=container_id))
 
     def deleted(self, proc: Process, exited_at) -> None:
         event = events.TaskDelete(container_id=proc.container_id, id=proc.container_id,

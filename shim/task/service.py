@@ -70,7 +70,7 @@ class TaskService:
         self.report.end(self.containers.values(), KILLED_STATUS)
 
     def container_oom(self, container_id: str) -> None:
-        self.report.publish("/tasks/oom", events.TaskOOM(container_id=container_id))
+        self.report.oom(container_id)
 
     async def Connect(self, req: api.ConnectRequest, ctx: Context) -> api.ConnectResponse:
         container = self.containers.get(req.id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
 
 import pytest
 
@@ -176,3 +177,76 @@ def test_pod_that_cannot_fit_is_refused_at_runp_and_leaves_nothing(dynamic_ctd,
     wait_for("the refused pod's shim to go", lambda: (
         len(shims_of(dynamic_ctd.address)), len(qemus(dynamic_ctd.cgroup_parent))) == before[:2])
     assert after[2] == before[2]
+
+
+def test_a_pod_beyond_the_vcpu_cap_runs_capped_with_its_quota(dynamic_ctd, tmp_path) -> None:
+    """Kubernetes admits a 1.5 CPU limit on a 2-CPU node: the VM (at most 2 vCPUs here)
+    gets 2 vCPUs instead of 1 + 1.5 rounded up, the sandbox cgroup the pod's quota plus
+    the guest's own; an update asking for more gets the cap and the quota it asked."""
+    crictl, pod_id, cid, _ = run_pod(dynamic_ctd, tmp_path, "capped", resources(150_000),
+                                     resources(150_000))
+    try:
+        assert guest_size(crictl, cid)[0] == 2
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        plan = report["plan"]
+        assert (plan["vcpus"], plan["uncapped_vcpus"], plan["max_vcpus"]) == (2, 3, 2)
+        assert report["cgroup"]["limits"]["cpu_quota_us"] == 250_000  # 1.5 + the guest's 1
+        assert "capped from 3: at most 2" in status.render(report)
+        assert report["differences"] == []
+        crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "250000", cid)
+        report = status.collect(status.find(pod_id, CRI_NAMESPACE))
+        assert (report["plan"]["vcpus"], report["plan"]["uncapped_vcpus"]) == (2, 4)
+        assert report["cgroup"]["limits"]["cpu_quota_us"] == 350_000
+        assert guest_size(crictl, cid)[0] == 2
+        assert report["differences"] == []
+    finally:
+        remove_pod(dynamic_ctd, crictl, pod_id)
+
+
+def oom_container(name: str, command: list[str]) -> dict:
+    """A container limited to 64 MiB that runs `command`."""
+    container = container_config(name, "")
+    container["command"] = command
+    container["linux"] = {"resources": resources(memory=64 * MIB)}
+    return container
+
+
+# busybox dd allocates its whole block and /dev/zero fills it: 128 MiB cannot fit in 64.
+HOG = ["dd", "if=/dev/zero", "of=/dev/null", "bs=128M", "count=1"]
+
+
+def test_an_oom_kill_reads_as_oomkilled(dynamic_ctd, tmp_path) -> None:
+    """The guest's OOM killer kills the container's own process (dd is the container's
+    command), or a process it started: `crictl inspect` says OOMKilled either way, as it
+    does for runc pods, even though containerd removes the container's task (and the
+    guest its cgroup) as soon as it hears of the exit; the TaskOOM comes before the
+    TaskExit, as containerd's runc shim sends them."""
+    crictl = Crictl(dynamic_ctd.cri_endpoint, timeout="120s")
+    pod = pod_config(dynamic_ctd, tmp_path, "oom")
+    pod["linux"]["resources"] = resources(memory=128 * MIB)
+    pod_file = write_config(tmp_path, "oom-pod.json", pod)
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    events = subprocess.Popen(["ctr", "--address", dynamic_ctd.address, "events"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        shapes = {"init": HOG, "child": ["sh", "-c", " ".join(HOG) + "; exit 3"]}
+        ids = {}
+        for name, command in shapes.items():
+            ids[name] = crictl.create(pod_id, write_config(
+                tmp_path, f"oom-{name}.json", oom_container(name, command)), pod_file)
+            crictl.start(ids[name])
+        for name, cid in ids.items():
+            state = wait_for(f"{name} to exit", lambda: (s := crictl.inspect(cid)["status"])[
+                "state"] == "CONTAINER_EXITED" and s, timeout=120)
+            assert (state["reason"], state["exitCode"]) == \
+                ("OOMKilled", 137 if name == "init" else 3), (name, state)
+        events.terminate()
+        published = events.communicate(timeout=30)[0].splitlines()
+        for name, cid in ids.items():
+            topics = [t for line in published if cid in line
+                      for t in ("/tasks/oom", "/tasks/exit") if f" {t} " in line]
+            assert topics[:2] == ["/tasks/oom", "/tasks/exit"], (name, published)
+    finally:
+        events.kill()
+        events.wait()
+        remove_pod(dynamic_ctd, crictl, pod_id)
