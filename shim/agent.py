@@ -133,11 +133,12 @@ class Agent:
             wait_cpus=cpus, cpus=cpus, wait_memory_bytes=wait_memory_bytes),
             pb.OnlineCPUMemResponse, timeout=30)
 
-    async def create_pod_namespaces(self, hostname: str = "") -> int:
+    async def create_pod_namespaces(self, hostname: str = "",
+                                    sysctls: dict[str, str] | None = None) -> int:
         """The pod's pid, ipc and uts namespaces, `hostname` set in the last ("": the
-        guest's own)."""
+        guest's own), the pod's `sysctls` set in them."""
         return (await self._call("CreatePodNamespaces", pb.CreatePodNamespacesRequest(
-            hostname=hostname), pb.CreatePodNamespacesResponse)).pid
+            hostname=hostname, sysctls=sysctls or {}), pb.CreatePodNamespacesResponse)).pid
 
     async def configure_network(self, network: "PodNetwork", timeout: float = 30) -> None:
         """The guest's interfaces made the pod's: found by MAC, named, sized, addressed

@@ -53,6 +53,9 @@ class RuntimeConfig:
     """Host CPUs never given to a pod in exclusive mode (kubelet's reserved-cpus)."""
     overhead_cpus: str = ""
     """Host CPUs for QEMU's threads other than vCPUs (vmm/); empty: the vCPUs' CPUs."""
+    allowed_vm_wide_sysctls: tuple[str, ...] = ()
+    """Pod sysctls no namespace holds that a pod may still set, for its whole VM: names,
+    or prefixes ending in '*' (shim/pod/sysctls.py)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,10 @@ def _check(config: Config, source: str) -> None:
                 parse_cpu_list(value)
             except ValueError as exc:
                 raise ConfigError(f"{source}: [runtime] {key}: {exc}") from None
+    for pattern in config.runtime.allowed_vm_wide_sysctls:
+        if not pattern or "*" in pattern[:-1]:
+            raise ConfigError(f"{source}: [runtime] allowed_vm_wide_sysctls: {pattern!r} is "
+                              f"neither a sysctl name nor a prefix ending in '*'")
     if q.memory_overhead < 0:
         raise ConfigError(f"{where} memory_overhead is in MiB, 0 for podvm's measured "
                           f"figure, got {q.memory_overhead}")

@@ -26,6 +26,7 @@ from . import config
 from .pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
                           pod_resources)
 from .pod.hostns import host_namespaces_refusal
+from .pod.sysctls import check_pod_sysctls
 from .pod.pod import Pod
 from .pod.slot import VM_GONE_STATUS, PodSlot
 from .sandbox import host
@@ -58,6 +59,7 @@ class SandboxService:
         self._pod: Pod | None = None
         self._overhead_bytes = 0
         self._hostname = ""
+        self._sysctls: dict[str, str] = {}
         self._created_at_ns = 0
         self._exited_at_ns = 0
         self._exit_status = 0
@@ -116,6 +118,7 @@ class SandboxService:
                                       ("ipc", options.ipc)) if mode == cri.NODE]
         if shared:
             raise host_namespaces_refusal(shared)
+        check_pod_sysctls(pod_config.linux.sysctls, cfg)
         annotations = {**pod_config.annotations, **req.annotations}
         planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
                                                             host()))
@@ -127,6 +130,7 @@ class SandboxService:
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod
         self._overhead_bytes = max(0, pod_config.linux.overhead.memory_limit_in_bytes)
         self._hostname = pod_config.hostname
+        self._sysctls = dict(pod_config.linux.sysctls)
         return api.CreateSandboxResponse()
 
     async def StartSandbox(self, req: api.StartSandboxRequest,
@@ -138,7 +142,7 @@ class SandboxService:
             pod = self._check(req.sandbox_id, Phase.CREATED)
             await pod.boot()  # a failed boot leaves nothing: Start may be tried again
             try:
-                holder = await pod.agent.create_pod_namespaces(self._hostname)
+                holder = await pod.agent.create_pod_namespaces(self._hostname, self._sysctls)
             except BaseException:
                 # The VM is gone with the slot's hold on it: this sandbox is over, and a
                 # second Start must not boot a pod the Task API would never see.

@@ -6,15 +6,19 @@ TCG), and holds the namespaces of a pod made through the Sandbox API, which has 
 busybox `unshare --fork` makes the namespaces and forks a shell into them; the shell
 waits in a loop, so orphans reparented to it are reaped, and exits on SIGTERM/SIGINT.
 Given a hostname (the pod's), busybox `nsenter` sets it in the new uts namespace before
-the holder is handed back, so that no container joins it unnamed."""
+the holder is handed back, so that no container joins it unnamed; the pod's sysctls are
+set in its namespaces then too (sysctls.py), before any container starts."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
 import time
+from typing import Mapping
 
 from podvm_core.ttrpc import Code, TtrpcError
+
+from . import sysctls as pod_sysctls
 
 from .containers import Process
 from .reaper import REAPER, run
@@ -27,11 +31,13 @@ CGROUP = "/sys/fs/cgroup/podvm"
 HOST_NAME_MAX = 64
 
 
-async def start(container_id: str, hostname: str = "") -> Process:
+async def start(container_id: str, hostname: str = "",
+                sysctls: Mapping[str, str] | None = None) -> Process:
     """The holder, running, as the init process of `container_id` (in its own cgroup
     /podvm/<id>, so that stats, pause and removal work as for any container), with
-    `hostname` in its uts namespace ("": the guest's). Its state is still created:
-    StartContainer moves it on as it would a runc container."""
+    `hostname` in its uts namespace ("": the guest's) and `sysctls` set. Its state is
+    still created: StartContainer moves it on as it would a runc container. A holder
+    whose hostname or sysctls fail is killed."""
     if len(hostname.encode()) > HOST_NAME_MAX or "\0" in hostname:
         raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: hostname {hostname!r} "
                          f"is not a hostname (at most {HOST_NAME_MAX} bytes)")
@@ -58,6 +64,12 @@ async def start(container_id: str, hostname: str = "") -> Process:
             _own_cgroup(container_id, proc.pid)
             if hostname:
                 await _set_hostname(container_id, proc, hostname)
+            if sysctls:
+                try:
+                    await pod_sysctls.apply(proc.pid, sysctls, f"pod {container_id}")
+                except BaseException:
+                    signal(proc, 9)
+                    raise
             log.info("pod namespaces for %s held by %d", container_id, proc.pid)
             return proc
         await asyncio.sleep(0.005)

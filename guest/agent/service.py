@@ -46,7 +46,7 @@ class AgentService:
                                   ctx: Context) -> pb.CreatePodNamespacesResponse:
         """The pod of a Sandbox-API sandbox (no sandbox container). Idempotent."""
         if self._pod_namespaces is None or self._pod_namespaces.exited.is_set():
-            self._pod_namespaces = await holder.start("pod", req.hostname)
+            self._pod_namespaces = await holder.start("pod", req.hostname, req.sysctls)
         return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces.pid)
 
     async def ConfigureNetwork(self, req: pb.ConfigureNetworkRequest, ctx: Context) -> Empty:
@@ -72,8 +72,10 @@ class AgentService:
             spec = json.loads(req.spec_json)
         except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"spec is not JSON: {exc}") from None
-        if req.pod_holder:
-            container = Container(req.container_id, True, await holder.start(req.container_id),
+        if req.pod_holder:  # the pod's sysctls come in the sandbox container's spec
+            sysctls = (spec.get("linux") or {}).get("sysctl") or {}
+            container = Container(req.container_id, True,
+                                  await holder.start(req.container_id, sysctls=sysctls),
                                   holder=True)
             self.containers[req.container_id] = container
             return pb.CreateContainerResponse(pid=container.init.pid)

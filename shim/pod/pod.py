@@ -28,6 +28,7 @@ from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeEx
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
 from .hostns import HOST_NAMESPACES, host_namespaces_refusal
+from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class Pod:
         shared = [ns for ns in HOST_NAMESPACES if ns not in namespaces]  # none: the host's
         if shared:
             raise host_namespaces_refusal(shared)
+        check_pod_sysctls(linux.get("sysctl") or {}, cfg)
         netns = namespaces["network"]
         memory_mib, cpus = pod_cgroup_limits(cgroups_path)
         planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
