@@ -1,13 +1,25 @@
 """The OCI spec as the guest must see it: the rootfs and every host file the container
 mounts come through the pod's shared directory; host-only parts are dropped.
 
-Pure: returns the rewritten spec and the binds the shim must make on the host."""
+Pure but for one look at the host's mount table (the `submounts` argument): returns the
+rewritten spec and the binds the shim must make on the host.
+
+Read-only binds: the guest sees a bind's whole host tree, submounts included, as part of
+one 9p mount, so a read-only bind there is read-only all the way down, which is what
+`rro` (RecursiveReadOnly) asks; the guest's runc does not know `rro` and gets `ro`. A
+plain `ro` bind is read-only at its top only, as runc makes it: each host mount below
+its source comes again as a bind of its own, on top, with its own flags (rw unless it
+is read-only itself)."""
 from __future__ import annotations
 
 import copy
 import os
 from dataclasses import dataclass
+from typing import Callable
+
 from podvm_core.protocol import SANDBOX_NS
+
+from . import mounts as host_mounts
 
 GUEST_SHARED = "/run/podvm/shared"
 """A namespace path the agent resolves to the guest sandbox container's."""
@@ -38,9 +50,12 @@ def rootfs_path(container_id: str) -> str:
     return f"{container_id}/rootfs"
 
 
-def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None) -> GuestSpec:
+def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None,
+            submounts: Callable[[str], list[host_mounts.Submount]] = host_mounts.submounts
+            ) -> GuestSpec:
     """`guest_cpus`: the vCPUs the container's host cpuset maps to (pinned vCPUs), which
-    become its cpuset in the guest; none: the host cpuset is dropped."""
+    become its cpuset in the guest; none: the host cpuset is dropped. `submounts`: what
+    is mounted below a host directory (the host's mount table)."""
     spec = copy.deepcopy(spec)
     root = spec.get("root") or {}
     spec["root"] = {"path": f"{GUEST_SHARED}/{rootfs_path(container_id)}",
@@ -62,8 +77,14 @@ def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None) 
         else:
             name = f"{index}-{os.path.basename(destination.rstrip('/')) or 'root'}"
             target = f"{container_id}/mounts/{name}"
-            binds.append(HostBind(source, target, "ro" in options))
-            mounts.append(dict(m, source=f"{GUEST_SHARED}/{target}"))
+            recursive = "rro" in options
+            binds.append(HostBind(source, target, recursive or "ro" in options))
+            guest = dict(m, source=f"{GUEST_SHARED}/{target}")
+            if recursive:
+                guest["options"] = ["ro", *(o for o in options if o not in ("rro", "ro", "rw"))]
+            mounts.append(guest)
+            if "ro" in options and not recursive:
+                mounts.extend(_writable_below(destination, target, submounts(source)))
     spec["mounts"] = mounts
     if spec.pop("hooks", None):
         dropped.append("OCI hooks (they would run on the host's paths)")
@@ -84,6 +105,14 @@ def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None) 
         namespaces.append(ns)
     linux["namespaces"] = namespaces
     return GuestSpec(spec, tuple(binds), tuple(dropped))
+
+
+def _writable_below(destination: str, target: str,
+                    below: list[host_mounts.Submount]) -> list[dict]:
+    """The binds that keep a read-only bind's submounts as they are on the host."""
+    return [{"destination": f"{destination.rstrip('/')}/{s.path}", "type": "bind",
+             "source": f"{GUEST_SHARED}/{target}/{s.path}", "options": ["rbind", *s.options]}
+            for s in below]
 
 
 def resources(resources: dict, guest_cpus: list[int] | None = None) -> dict:

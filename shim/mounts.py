@@ -1,10 +1,13 @@
 """mount(2) and umount2(2) for the shim: containerd's rootfs mounts onto the bundle, and
-binds of a pod's files into the directory its VM shares with the guest."""
+binds of a pod's files into the directory its VM shares with the guest; what is mounted
+where, from /proc/self/mountinfo."""
 from __future__ import annotations
 
 import errno
 import os
+import re
 from dataclasses import dataclass
+from typing import Iterator
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -19,6 +22,8 @@ MNT_DETACH = 0x2
 _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
           "bind": MS_BIND, "rbind": MS_BIND | MS_REC}
 _IGNORED = {"rw", "suid", "dev", "exec", "defaults"}
+_PER_MOUNT = ("ro", "nosuid", "nodev", "noexec")
+"""The flags of a mount itself (not of its filesystem) that a bind of it must repeat."""
 
 _libc = None
 
@@ -90,16 +95,44 @@ def unmount(path: str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Submount:
+    path: str
+    """Relative to the directory it is below."""
+    options: tuple[str, ...]
+    """Its own flags as bind options: "ro" or "rw", then nosuid, nodev, noexec."""
+
+
+def _mountinfo() -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(mount point, per-mount options) of every mount in the shim's namespace, parents
+    before children and a stacked mount after the one it hides."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
+            yield os.fsdecode(point), tuple(fields[5].decode().split(","))
+
+
 def mounts_under(path: str) -> list[str]:
     """Mount points at or below `path`, deepest first (the order to unmount them in)."""
     prefix = path.rstrip("/")
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == prefix or point.startswith(prefix + "/"):
-                found.append(point)
-    return sorted(set(found), key=lambda p: p.count("/"), reverse=True)
+    found = {point for point, _ in _mountinfo()
+             if point == prefix or point.startswith(prefix + "/")}
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+
+
+def submounts(path: str) -> list[Submount]:
+    """What is mounted strictly below the directory `path` (none when it is no
+    directory), shallowest first, each with its own flags (the top one of a stack)."""
+    if not os.path.isdir(path):
+        return []
+    prefix = os.path.realpath(path).rstrip("/") + "/"
+    found: dict[str, tuple[str, ...]] = {}
+    for point, options in _mountinfo():
+        if point.startswith(prefix):
+            own = tuple(o for o in _PER_MOUNT if o in options)
+            found[point[len(prefix):]] = own if "ro" in own else ("rw", *own)
+    return [Submount(p, found[p]) for p in sorted(found, key=lambda p: (p.count("/"), p))]
 
 
 def unmount_all(path: str) -> int:

@@ -1,7 +1,7 @@
 """What the guest sees of a CRI container's spec."""
 from __future__ import annotations
 
-from shim import guestspec
+from shim import guestspec, mounts
 
 CRI_CONTAINER = {
     "ociVersion": "1.0.2",
@@ -77,3 +77,53 @@ def test_guest_cpuset_names_the_vcpus_the_host_cpuset_maps_to() -> None:
     assert guestspec.resources({"cpu": {"cpus": "6"}}, [0]) == {"cpu": {"cpus": "0"}}
     assert guestspec.resources({"memory": {"limit": 1}}, [3]) == {"memory": {"limit": 1},
                                                          "cpu": {"cpus": "3"}}
+
+
+VOLUME = "/var/lib/kubelet/pods/p/volumes/data"
+
+
+def volume_spec(*options: str) -> dict:
+    return {"process": {"args": ["sh"]}, "root": {"path": "rootfs"},
+            "mounts": [{"destination": "/data", "type": "bind", "source": VOLUME,
+                        "options": ["rbind", "rprivate", *options]}]}
+
+
+def host_table(path: str) -> list[mounts.Submount]:
+    """A volume with a tmpfs below it and a read-only mount below that."""
+    assert path == VOLUME
+    return [mounts.Submount("cache", ("rw", "nosuid", "nodev")),
+            mounts.Submount("cache/frozen", ("ro",))]
+
+
+def test_a_read_only_bind_keeps_what_is_mounted_below_it_as_it_is() -> None:
+    """runc's `ro` on an rbind remounts its top only: submounts stay writable."""
+    g = guestspec.rewrite(volume_spec("ro"), "c1", submounts=host_table)
+    shared = "/run/podvm/shared/c1/mounts/0-data"
+    assert g.spec["mounts"] == [
+        {"destination": "/data", "type": "bind", "source": shared,
+         "options": ["rbind", "rprivate", "ro"]},
+        {"destination": "/data/cache", "type": "bind", "source": f"{shared}/cache",
+         "options": ["rbind", "rw", "nosuid", "nodev"]},
+        {"destination": "/data/cache/frozen", "type": "bind",
+         "source": f"{shared}/cache/frozen", "options": ["rbind", "ro"]}]
+    assert [(b.source, b.readonly) for b in g.binds] == [(VOLUME, True)]
+
+
+def test_a_recursive_read_only_bind_is_one_read_only_mount_in_the_guest() -> None:
+    """The guest's 9p view of the tree has no submounts: `ro` there is recursive, and
+    the guest's runc (1.1) does not know `rro`."""
+    for options in (("rro",), ("ro", "rro")):
+        g = guestspec.rewrite(volume_spec(*options), "c1", submounts=host_table)
+        assert g.spec["mounts"] == [
+            {"destination": "/data", "type": "bind",
+             "source": "/run/podvm/shared/c1/mounts/0-data",
+             "options": ["ro", "rbind", "rprivate"]}]
+        assert [(b.source, b.readonly) for b in g.binds] == [(VOLUME, True)]
+
+
+def test_a_writable_bind_does_not_look_below() -> None:
+    def no_look(path: str) -> list[mounts.Submount]:
+        raise AssertionError(f"looked below {path}")
+
+    g = guestspec.rewrite(volume_spec("rw"), "c1", submounts=no_look)
+    assert [m["destination"] for m in g.spec["mounts"]] == ["/data"]

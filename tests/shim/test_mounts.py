@@ -61,3 +61,36 @@ def test_bad_mount_names_what_failed(area: pathlib.Path) -> None:
         mounts.mount(mounts.Mount("nosuchfs", "x", ()), str(area))
     assert mounts.split_options(["ro", "rbind", "lowerdir=/a:/b", "rw"]) == (
         mounts.MS_RDONLY | mounts.MS_BIND | mounts.MS_REC, "lowerdir=/a:/b")
+
+
+def test_submounts_are_listed_shallowest_first_with_their_own_flags(area: pathlib.Path) -> None:
+    volume = area / "vol ume"  # a space: escaped in mountinfo
+    (volume / "cache").mkdir(parents=True)
+    (volume / "plain").mkdir()
+    assert mounts.submounts(str(volume)) == []
+    mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m", "nosuid", "nodev")),
+                 str(volume / "cache"))
+    (volume / "cache" / "frozen").mkdir()
+    mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m", "ro", "noexec")),
+                 str(volume / "cache" / "frozen"))
+    assert mounts.submounts(str(volume)) == [
+        mounts.Submount("cache", ("rw", "nosuid", "nodev")),
+        mounts.Submount("cache/frozen", ("ro", "noexec"))]
+    assert mounts.submounts(str(volume / "plain")) == []
+    assert mounts.submounts(str(area / "missing")) == []
+    assert mounts.mounts_under(str(volume)) == [str(volume / "cache" / "frozen"),
+                                                str(volume / "cache")]
+
+
+def test_a_read_only_bind_leaves_its_submounts_writable(area: pathlib.Path) -> None:
+    """As runc's `ro`: the remount that makes a bind read-only is not recursive."""
+    volume = area / "volume"
+    (volume / "cache").mkdir(parents=True)
+    mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), str(volume / "cache"))
+    shared = area / "shared" / "c1" / "mounts" / "0-volume"
+    mounts.bind(str(volume), str(shared), readonly=True)
+    with pytest.raises(OSError):
+        (shared / "top").write_text("no")
+    (shared / "cache" / "written").write_text("yes")
+    assert (volume / "cache" / "written").read_text() == "yes"
+    assert mounts.submounts(str(shared)) == [mounts.Submount("cache", ("rw",))]
