@@ -67,6 +67,7 @@ install: deps
 	$(PREFIX)/venv/bin/pip install -q .
 	ln -sf $(PREFIX)/venv/bin/containerd-shim-podvm-v2 $(BINDIR)/containerd-shim-podvm-v2
 	ln -sf $(PREFIX)/venv/bin/podvmctl $(BINDIR)/podvmctl
+	ln -sf $(PREFIX)/venv/bin/podvm-webhook $(BINDIR)/podvm-webhook
 	$(PREFIX)/venv/bin/python guest/build.py --out $(GUEST_BUILD)
 	install -d $(GUESTDIR)
 	install -m 0644 $(GUEST_BUILD)/vmlinux $(GUEST_BUILD)/initrd.img $(GUESTDIR)/
@@ -78,7 +79,7 @@ install: deps
 	@echo "podvm installed: $(BINDIR)/containerd-shim-podvm-v2 -> $(PREFIX)/venv"
 
 uninstall:
-	rm -f $(BINDIR)/containerd-shim-podvm-v2 $(BINDIR)/podvmctl
+	rm -f $(BINDIR)/containerd-shim-podvm-v2 $(BINDIR)/podvmctl $(BINDIR)/podvm-webhook
 	rm -rf $(PREFIX) $(GUESTDIR)
 
 test: guest
@@ -100,6 +101,7 @@ bench: guest
 	$(VENV)/bin/python bench/resize_bench.py
 	$(VENV)/bin/python bench/reservation.py
 	$(VENV)/bin/python bench/net_bench.py
+	$(VENV)/bin/python bench/webhook_bench.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo

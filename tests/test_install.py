@@ -36,6 +36,9 @@ def test_install_twice_and_run(tmp_path: pathlib.Path) -> None:
     ctl = subprocess.run([str(tmp_path / "bin" / "podvmctl"), "config", "--file", str(conf)],
                          capture_output=True, text=True)
     assert ctl.returncode == 0 and 'accel = "tcg"' in ctl.stdout
+    webhook = subprocess.run([str(tmp_path / "bin" / "podvm-webhook"), "--help"],
+                             capture_output=True, text=True)
+    assert webhook.returncode == 0 and "--cert" in webhook.stdout, webhook.stderr
     # The installed copy stands alone: generated protos inside, not the source tree's.
     imported = subprocess.run([str(tmp_path / "opt" / "venv" / "bin" / "python"), "-c",
                                "import podvm_core.pb.ttrpc_pb2 as m; print(m.__file__)"],
