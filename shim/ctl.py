@@ -1,4 +1,5 @@
-"""podvmctl: inspect podvm from the host: its configuration and running sandboxes."""
+"""podvmctl: inspect podvm from the host: its configuration, running sandboxes, and how a
+manifest's pods will be sized."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,24 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from . import plan
+    from .webhook.policy import Policy
+
+    try:
+        policy = Policy(config.load(args.config or ""),
+                        frozenset(args.runtime_classes or ["podvm"]))
+        verdicts = plan.plan_manifest(args.manifest, policy)
+    except (config.ConfigError, plan.ManifestError) as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([plan.as_json(what, v) for what, v in verdicts], indent=2))
+    else:
+        print("\n".join(plan.render(what, v, policy) for what, v in verdicts), end="")
+    return 0 if all(v.allowed for _, v in verdicts) else 1
+
+
 def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -67,6 +86,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--namespace", help="containerd namespace (default: the one that has it)")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=_status)
+    pl = sub.add_parser("plan", help="size a manifest's pods as the admission webhook will",
+                        description="Judge every pod of the manifests (Pods, and the pod "
+                                    "templates of Deployments, Jobs...) as podvm-webhook "
+                                    "will, with the configuration the nodes use: the VM, "
+                                    "the RuntimeClass overhead it needs, the annotations "
+                                    "static mode writes, what is refused and why. A "
+                                    "RuntimeClass in the manifests sets the pods' "
+                                    "spec.overhead as the API server does. Exit status 1 "
+                                    "when a pod is refused.")
+    pl.add_argument("manifest", nargs="+", help="YAML or JSON file (.json read as JSON)")
+    pl.add_argument("--config", help="configuration file instead of the lookup order")
+    pl.add_argument("--runtime-class", action="append", dest="runtime_classes",
+                    help="a RuntimeClass podvm serves (repeat; default: podvm)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=_plan)
     return p
 
 
