@@ -1,6 +1,8 @@
-"""The host namespaces a pod may ask to share (hostNetwork, hostPID, hostIPC), which a
-VM pod cannot honour: both APIs refuse them with the same answer, before anything is
-made."""
+"""What a pod may ask to share with the host and a VM pod cannot honour, refused with
+InvalidArgument at the first call that asks, before anything is made: the host's
+namespaces (hostNetwork, hostPID, hostIPC; both APIs give the same answer) and mount
+propagation from the host (a container's mountPropagation HostToContainer or
+Bidirectional: the host's later mounts cannot reach into the guest's kernel)."""
 from __future__ import annotations
 
 from podvm_core.ttrpc import Code, TtrpcError
@@ -16,3 +18,26 @@ def host_namespaces_refusal(shared: list[str]) -> TtrpcError:
         f"podvm runs the pod in a VM, with its own kernel: a pod that shares the host's "
         f"{' and '.join(shared)} namespace{'s' if len(shared) > 1 else ''} ({fields}; CRI "
         f"namespace option NODE) cannot be; run it with runc"))
+
+
+# OCI mount options (and linux.rootfsPropagation values) that containerd's CRI writes for
+# mountPropagation: HostToContainer gives rslave, Bidirectional rshared.
+_FROM_HOST = {"rslave": "HostToContainer", "slave": "HostToContainer",
+              "rshared": "Bidirectional", "shared": "Bidirectional"}
+
+
+def refuse_host_propagation(container_id: str, spec: dict) -> None:
+    """Refuse a container whose mounts would receive the host's later mounts (or send
+    theirs back): the guest has its own kernel and mount table."""
+    asked = [(m.get("destination", "?"), opt) for m in spec.get("mounts") or []
+             for opt in m.get("options") or [] if opt in _FROM_HOST]
+    rootfs = (spec.get("linux") or {}).get("rootfsPropagation", "")
+    if not asked and rootfs in _FROM_HOST:
+        asked = [("/ (rootfsPropagation)", rootfs)]
+    if asked:
+        where = ", ".join(f"{dest} ({opt}: mountPropagation {_FROM_HOST[opt]})"
+                          for dest, opt in asked)
+        raise TtrpcError(Code.INVALID_ARGUMENT, (
+            f"container {container_id}: podvm runs the pod in a VM, with its own kernel and "
+            f"mount table: mount propagation from the host cannot reach it ({where}); use "
+            f"mountPropagation None, or run the pod with runc"))

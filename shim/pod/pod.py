@@ -27,7 +27,7 @@ from ..hypervisor import HypervisorError
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
-from .hostns import HOST_NAMESPACES, host_namespaces_refusal
+from .hostns import HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation
 from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
@@ -206,6 +206,7 @@ class Pod:
         pod's), share its files, create it in the guest. All or nothing.
         `holder`: the container whose Create booted the VM."""
         assert self.sandbox is not None
+        refuse_host_propagation(container_id, spec)
         if not holder:
             resources = from_linux_resources((spec.get("linux") or {}).get("resources") or {})
             try:

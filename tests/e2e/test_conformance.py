@@ -1,20 +1,22 @@
 """What kubelet expects of a pod and its containers (issue 18), through containerd's CRI
 (Debian's 1.6) as critest drives it: pod sysctls set in the pod's namespaces, a sysctl
 that would change the whole VM refused at runp, and read-only volumes that are
-read-only as runc makes them (their submounts stay writable).
+read-only as runc makes them (their submounts stay writable), mount propagation from the
+host refused when the container's task is made.
 
 Real containerd, QEMU under TCG and the guest image; every test runs with the real
 crictl too: CRICTL=/path/to/crictl."""
 from __future__ import annotations
 
 import pathlib
+import subprocess
 
 import pytest
 
 from shim import mounts
 from tests.conftest import require_root
 
-from .cri import write_config
+from .cri import CrictlFailed, write_config
 from .test_crictl import container_config, pod_config
 from .test_podvm_pods import (configs, crictl, ctd, nothing_of_failed_pods_left,  # noqa: F401
                               remove_pod, running, runp_refused)
@@ -101,3 +103,48 @@ def test_a_read_only_volume_keeps_its_submounts_writable(ctd, crictl, configs,
         assert (volume / "top").read_text() == "top\n"
     finally:
         remove_pod(crictl, pod_id)
+
+
+def test_mount_propagation_from_the_host_is_refused(ctd, crictl, configs,
+                                                   tmp_path: pathlib.Path) -> None:
+    """HostToContainer and Bidirectional cannot reach a VM's mount table: the container's
+    first call that reaches the shim (StartContainer: containerd's CreateContainer only
+    records it) fails with InvalidArgument naming the mount, and the pod is as it was (a
+    container with the same volume, propagation None, still runs)."""
+    require_root()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    # containerd itself checks that the host side is a shared (or slave) mount first
+    mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), str(shared))
+    try:
+        subprocess.run(["mount", "--make-shared", str(shared)], check=True)
+        pod_file = write_config(configs, "pod-propagation.json",
+                                pod_config(ctd, configs, "propagation"))
+        pod_id = crictl.runp(pod_file, runtime="podvm")
+        try:
+            for propagation, field, option in (
+                    ("PROPAGATION_HOST_TO_CONTAINER", "HostToContainer", "rslave"),
+                    ("PROPAGATION_BIDIRECTIONAL", "Bidirectional", "rshared")):
+                container = dict(container_config(field.lower(), "exec sleep 1000"),
+                                 mounts=[{"container_path": "/shared",
+                                          "host_path": str(shared),
+                                          "propagation": propagation}])
+                cid = crictl.create(pod_id, write_config(configs, f"{field}.json", container),
+                                    pod_file)
+                with pytest.raises(CrictlFailed) as refused:
+                    crictl.start(cid)
+                message = str(refused.value)
+                assert "InvalidArgument" in message, message
+                assert f"/shared ({option}: mountPropagation {field})" in message, message
+            private = dict(container_config("private", "exec sleep 1000"),
+                           mounts=[{"container_path": "/shared", "host_path": str(shared)}])
+            cid = crictl.create(pod_id, write_config(configs, "private.json", private),
+                                pod_file)
+            crictl.start(cid)
+            wrote = crictl.exec(cid, "sh", "-c", "echo private > /shared/note")
+            assert wrote.exit_code == 0, wrote
+            assert (shared / "note").read_text() == "private\n"
+        finally:
+            remove_pod(crictl, pod_id)
+    finally:
+        mounts.unmount_all(str(shared))
