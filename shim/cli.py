@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     if flags.help:
         sys.stdout.write(USAGE)
         return 0
+    if flags.info:
+        from .info import runtime_info  # here: no other action needs it
+
+        sys.stdout.buffer.write(runtime_info())
+        return 0
     if flags.version:
         sys.stdout.write(f"containerd-shim-podvm-v2:\n  Version:  {__version__}\n"
                          f"  Runtime:  io.containerd.podvm.v2\n")

@@ -23,12 +23,14 @@ flags:
   -bundle PATH         OCI bundle directory (default: the working directory)
   -socket ADDR         the daemon's own ttrpc address (set by `start`)
   -debug               log at debug level
+  -info                print the runtime's info and features (a protobuf RuntimeInfo, as
+                       containerd 2.x reads it) and exit
   -v, -version         print the version and exit
   -h, -help            print this help and exit
 """
 
 _VALUE_FLAGS = {"namespace", "id", "address", "publish-binary", "bundle", "socket"}
-_BOOL_FLAGS = {"debug", "v", "version", "h", "help"}
+_BOOL_FLAGS = {"debug", "info", "v", "version", "h", "help"}
 
 
 class UsageError(Exception):
@@ -38,14 +40,14 @@ class UsageError(Exception):
 # A named tuple, not a dataclass: `start` is on containerd's critical path, and
 # dataclasses (with inspect, ast, dis and tokenize) would add ~7 ms to every `start`.
 _Fields = namedtuple("_Fields", ["namespace", "id", "address", "publish_binary", "bundle",
-                                 "socket", "debug", "version", "help", "action"],
-                     defaults=["", "", "", "", "", "", False, False, False, "serve"])
+                                 "socket", "debug", "info", "version", "help", "action"],
+                     defaults=["", "", "", "", "", "", False, False, False, False, "serve"])
 
 
 class Flags(_Fields):
     """The command line: strings `namespace`, `id`, `address`, `publish_binary`, `bundle`,
-    `socket`, `action` ("serve", "start" or "delete"); booleans `debug`, `version`,
-    `help`. Immutable; `_replace(...)` gives a changed copy."""
+    `socket`, `action` ("serve", "start" or "delete"); booleans `debug`, `info`,
+    `version`, `help`. Immutable; `_replace(...)` gives a changed copy."""
 
     __slots__ = ()
 
