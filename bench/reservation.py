@@ -15,11 +15,15 @@ host has), under a private parent, without VMs: the figures are about the schedu
 - settings: "alone" (no neighbours), "shares" (cpu.shares / cpu.weight from the requests,
   as kubelet sets them) and "exclusive" (the target's CPU comes from podvm's allocator,
   the neighbours get the shared pool: on 2 CPUs the target has CPU 1, they have CPU 0).
-It scales to the machine's CPUs; on a 2-CPU machine it only shows the method. Everything it
-creates is removed at the end, also on Ctrl-C or SIGTERM; busy neighbours die with it even
-on SIGKILL, and cgroups left by a killed run are removed by the next one.
+It scales to the machine's CPUs; on a 2-CPU machine it only shows the method. Each setting
+runs --repeat times, interleaved; the table (bench/reservation_table.py) gives medians and
+ranges, --json writes every figure. Everything it creates is removed at the end, also on
+Ctrl-C or SIGTERM; busy neighbours die with it even on SIGKILL, and cgroups left by a
+killed run are removed by the next one. bench/reservation_vms.py runs the same experiment
+with podvm pods.
 
-usage: sudo python3 bench/reservation.py [--seconds S] [--threads-per-cpu N]
+usage: sudo python3 bench/reservation.py [--seconds S] [--threads-per-cpu N] [--repeat R]
+                                         [--json FILE]
 """
 from __future__ import annotations
 
@@ -39,13 +43,20 @@ from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import benchcgroups  # noqa: E402
 import cgroups  # noqa: E402
+import reservation_table  # noqa: E402
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout  # noqa: E402
+from reservation_table import Column  # noqa: E402
 from shim.cpus.allocator import Allocator  # noqa: E402
 from shim.cpus.cpuset import format_cpu_list  # noqa: E402
 
 PARENT_PREFIX = "podvm-reservation-"
-PERIOD_US = 100_000
+PERIOD_US = benchcgroups.PERIOD_US
+SETTINGS = ("alone", "shares", "exclusive")
+COLUMNS = (Column("cpu_ratio", "CPU recv/req", vs_alone=True),
+           Column("p50_ms", "wake p50 ms", digits=3),
+           Column("p99_ms", "wake p99 ms", digits=3, vs_alone=True))
 TICKS = os.sysconf("SC_CLK_TCK")
 
 # Every workload dies with the bench (PR_SET_PDEATHSIG) and stops by itself at a deadline.
@@ -120,24 +131,8 @@ class Node:
                                    self.manager)
         self.pods.append(pod)
         if len(self.pods) == 1:
-            self._outweigh_the_rest()
+            benchcgroups.outweigh_the_rest(self.manager, self.parent)
         return pod
-
-    def _outweigh_the_rest(self) -> None:
-        """The parent gets the largest CPU weight there is. A group's weight is split over
-        the CPUs by where its threads run, so a target alone on its CPU carries a small
-        part of it; at the default weight, any other work on this machine (outside the
-        experiment) would take most of that CPU and the figures would be about it."""
-        if isinstance(self.manager, cgroups.CgroupV2Manager):
-            path = os.path.join(self.manager.hierarchy.directory(self.parent), "cpu.weight")
-            value = "10000"
-        else:
-            h = next((h for h in self.manager.hierarchies if "cpu" in h.controllers), None)
-            if h is None:
-                return
-            path, value = os.path.join(h.directory(self.parent), "cpu.shares"), "262144"
-        with contextlib.suppress(FileNotFoundError):
-            pathlib.Path(path).write_text(value)
 
     def run(self, pod: SandboxCgroup, code: str, seconds: float, **kw) -> subprocess.Popen:
         proc = pod.spawn([sys.executable, "-c", code, str(os.getpid()), str(seconds)], **kw)
@@ -151,42 +146,13 @@ class Node:
             proc.wait()
         for pod in self.pods:
             pod.destroy()
-        remove_tree(self.manager, self.parent)
-
-
-def hierarchy_roots(manager: cgroups.CgroupManager) -> list[str]:
-    if isinstance(manager, cgroups.CgroupV2Manager):
-        return [manager.hierarchy.directory("/")]
-    return [h.directory("/") for h in manager.hierarchies]
-
-
-def remove_tree(manager: cgroups.CgroupManager, path: str) -> None:
-    """rmdir a cgroup and everything under it, deepest first, in every hierarchy."""
-    for root in hierarchy_roots(manager):
-        top = os.path.join(root, path.lstrip("/"))
-        for directory, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(directory)
-
-
-def stale(directory: str) -> list[str]:
-    """Names in `directory` left by runs that were killed (their pid is gone)."""
-    found = []
-    for name in os.listdir(directory):
-        pid = name.removeprefix(PARENT_PREFIX).split("-")[0]
-        if name.startswith(PARENT_PREFIX) and pid.isdigit() and \
-                not os.path.exists(f"/proc/{pid}"):
-            found.append(name)
-    return found
+        benchcgroups.remove_tree(self.manager, self.parent)
 
 
 def sweep_stale(manager: cgroups.CgroupManager) -> None:
     """Parent cgroups and allocator directories of runs that were killed."""
-    for root in hierarchy_roots(manager):
-        for name in stale(root):
-            with contextlib.suppress(OSError):
-                remove_tree(manager, "/" + name)
-    for name in stale(tempfile.gettempdir()):
+    benchcgroups.sweep_stale(manager, PARENT_PREFIX)
+    for name in benchcgroups.stale(tempfile.gettempdir(), PARENT_PREFIX):
         shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
 
 
@@ -239,7 +205,7 @@ def setting(mode: str, seconds: float, cpus: int, threads_per_cpu: int,
         wall = time.monotonic() - start
         received = {shape.name: (cpu_seconds(pids) - b) / wall / shape.request
                     for (shape, pids), b in zip(neighbours, before)}
-        return {"mode": mode, "cpu_ratio": ran["cpu"] / ran["wall"] / target_shape.request,
+        return {"setting": mode, "cpu_ratio": ran["cpu"] / ran["wall"] / target_shape.request,
                 "p50_ms": latency["p50"] * 1000, "p99_ms": latency["p99"] * 1000,
                 "neighbours": received, "where": where}
     finally:
@@ -254,17 +220,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-HEADER = (f"{'setting':<10} {'CPU recv/req':>12} {'vs alone':>8} {'wake p50 ms':>11} "
-          f"{'p99 ms':>8} {'p99 vs alone':>12}  {'neighbours recv/req':<30} where (CPUs)")
-
-
-def row(r: dict, alone: dict) -> str:
+def progress(r: dict, rep: int) -> str:
+    """One line per measured setting, as it ends: its figures, the neighbours' CPU
+    received / requested, and where each pod ran."""
     neighbours = ", ".join(f"{n} {v:.2f}" for n, v in r["neighbours"].items()) or "-"
     where = ", ".join(f"{n} {c}" for n, c in r["where"].items())
-    return (f"{r['mode']:<10} {r['cpu_ratio']:>12.2f} "
-            f"{r['cpu_ratio'] / max(alone['cpu_ratio'], 1e-9) * 100:>7.0f}% "
-            f"{r['p50_ms']:>11.3f} {r['p99_ms']:>8.3f} "
-            f"{r['p99_ms'] / max(alone['p99_ms'], 1e-9):>11.1f}x  {neighbours:<30} {where}")
+    return (f"{r['setting']} #{rep + 1}: CPU recv/req {r['cpu_ratio']:.2f}, wake p50 "
+            f"{r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms; neighbours recv/req "
+            f"{neighbours}; where (CPUs): {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                         "this plus a few seconds (default 8)")
     p.add_argument("--threads-per-cpu", type=int, default=2,
                    help="neighbours' busy threads per CPU of the machine (default 2)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each setting, interleaved (default 1)")
+    p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = p.parse_args(argv)
-    if args.seconds <= 0 or args.threads_per_cpu < 1:
-        p.error("--seconds must be > 0 and --threads-per-cpu at least 1")
+    if args.seconds <= 0 or args.threads_per_cpu < 1 or args.repeat < 1:
+        p.error("--seconds must be > 0, --threads-per-cpu and --repeat at least 1")
     if os.geteuid() != 0:
         print("reservation.py: needs root (it makes cgroups)", file=sys.stderr)
         return 1
@@ -291,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     manager = cgroups.detect()
     sweep_stale(manager)
     target, neighbours = shapes(cpus, args.threads_per_cpu)
+    machine = {"cpus": cpus, "online": os.cpu_count(), "model": cpu_model(),
+               "kernel": platform.release(), "cgroup": manager.version}
     print(f"machine: {cpus} CPUs of {os.cpu_count()} ({cpu_model()}), kernel "
           f"{platform.release()}, cgroup v{manager.version}")
     print(f"target requests {target.request:g} CPU (limit {target.limit:g}); neighbours: " +
@@ -298,16 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"({'no limit' if n.limit is None else f'limit {n.limit:g}'}), "
                     f"{n.threads} busy threads" for n in neighbours) +
           f"; {args.seconds:g} s per workload", flush=True)
-    print(HEADER, flush=True)
-    alone = None
+    results = []
     try:
-        for mode in ("alone", "shares", "exclusive"):
+        for rep, mode in reservation_table.interleaved(SETTINGS, args.repeat):
             r = setting(mode, args.seconds, cpus, args.threads_per_cpu, manager)
-            alone = alone or r
-            print(row(r, alone), flush=True)
+            results.append(dict(r, rep=rep))
+            print(progress(r, rep), flush=True)
     except KeyboardInterrupt:
         print("reservation.py: interrupted; what it made is removed", file=sys.stderr)
         return 130
+    print(reservation_table.table(results, COLUMNS), flush=True)
+    if args.json:
+        reservation_table.write_json(args.json, reservation_table.document(
+            machine, {"seconds": args.seconds, "threads_per_cpu": args.threads_per_cpu,
+                      "repeat": args.repeat}, COLUMNS, results))
     return 0
 
 

@@ -78,17 +78,18 @@ def test_reservation_bench_smoke() -> None:
                           "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert out.startswith("machine: ") and "CPU recv/req" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if re.match(r"(alone|shares|exclusive) ", line)}
+    assert out.startswith("machine: ") and "| setting | CPU recv/req |" in out
+    rows = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+        if re.match(r"\| (alone|shares|exclusive) \|", line))}
     assert set(rows) == {"alone", "shares", "exclusive"}
-    for fields in rows.values():
-        assert float(fields[1]) > 0 and float(fields[4]) > 0  # CPU ratio, p99 ms
+    for cells in rows.values():
+        assert float(cells[1]) > 0 and float(cells[4]) > 0  # CPU ratio, p99 ms
     # The target holds the CPU podvm's allocator picks from this pool (the highest, or the
     # highest core without an SMT sibling); the neighbours have all the others.
     target = choose(cpus, 1, core_siblings(cpus))
     rest = format_cpu_list(set(cpus) - set(target))
-    exclusive = next(line for line in out.splitlines() if line.startswith("exclusive "))
+    exclusive = next(line for line in out.splitlines() if line.startswith("exclusive #1:"))
     assert exclusive.endswith(f"target {target[0]}, burstable {rest}, capped {rest}"), out
     assert ours() == before
 
