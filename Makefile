@@ -51,7 +51,7 @@ $(STAMP): $(SOURCES) | test-deps
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q grpcio-tools
 	$(VENV)/bin/python protos/generate.py
-	$(VENV)/bin/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(VENV)/bin/pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
 	@touch $@
 
 gen: $(STAMP)
@@ -99,7 +99,9 @@ bench: guest
 	$(VENV)/bin/python bench/pod_bench.py
 	$(VENV)/bin/python bench/accounting_bench.py
 	$(VENV)/bin/python bench/resize_bench.py
-	$(VENV)/bin/python bench/reservation.py
+	$(VENV)/bin/python bench/reservation.py --repeat 3
+	$(VENV)/bin/python bench/reservation_vms.py --json build/reservation_vms.json
+	$(VENV)/bin/python bench/plot_reservation.py build/reservation_vms.json build/reservation_vms.png
 	$(VENV)/bin/python bench/net_bench.py
 	$(VENV)/bin/python bench/webhook_bench.py
 
