@@ -29,6 +29,9 @@ BUSYBOX = "/bin/busybox"
 SCRIPT = f"trap 'exit 0' TERM INT; while :; do {BUSYBOX} sleep 2147483647 & wait; done"
 CGROUP = "/sys/fs/cgroup/podvm"
 HOST_NAME_MAX = 64
+# unshare forks the holder's shell at once, but under TCG on a crowded host that fork can
+# take seconds; its own exit ends the wait sooner.
+START_TIMEOUT = 30
 
 
 async def start(container_id: str, hostname: str = "",
@@ -52,8 +55,8 @@ async def start(container_id: str, hostname: str = "",
         proc.set_exited(128 + proc.killed_by if proc.killed_by else status, time.time_ns())
 
     REAPER.watch(parent).add_done_callback(exited)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline and not proc.exited.is_set():
         try:
             with open(f"/proc/{parent}/task/{parent}/children") as f:
                 children = f.read().split()
@@ -73,7 +76,15 @@ async def start(container_id: str, hostname: str = "",
             log.info("pod namespaces for %s held by %d", container_id, proc.pid)
             return proc
         await asyncio.sleep(0.005)
-    raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not start")
+    if proc.exited.is_set():
+        raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} exited "
+                         f"before it held anything (status {proc.exit_status})")
+    try:
+        os.kill(parent, 9)  # its exit is reaped by the watch above
+    except ProcessLookupError:
+        pass
+    raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not start "
+                     f"within {START_TIMEOUT} s")
 
 
 async def _set_hostname(container_id: str, proc: Process, hostname: str) -> None:
