@@ -10,7 +10,8 @@ GUESTDIR ?= /usr/share/podvm
 GUEST_BUILD := build/guest
 
 # Debian packages: the runtime's own needs, then what the tests add.
-RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86
+# erofs-utils: the guest's root image is built where podvm is installed.
+RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils
 TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2
 
 STAMP := $(VENV)/.podvm-installed
@@ -71,6 +72,7 @@ install: deps
 	$(PREFIX)/venv/bin/python guest/build.py --out $(GUEST_BUILD)
 	install -d $(GUESTDIR)
 	install -m 0644 $(GUEST_BUILD)/vmlinux $(GUEST_BUILD)/initrd.img $(GUESTDIR)/
+	cp --sparse=always $(GUEST_BUILD)/rootfs.img $(GUESTDIR)/rootfs.img
 	@mkdir -p $(CONFDIR)
 	@if [ -e $(CONFDIR)/configuration.toml ]; then \
 		echo "keeping existing $(CONFDIR)/configuration.toml"; \
@@ -97,6 +99,7 @@ test-busy: guest
 bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py
 	$(VENV)/bin/python bench/pod_bench.py
+	$(VENV)/bin/python bench/density.py
 	$(VENV)/bin/python bench/accounting_bench.py
 	$(VENV)/bin/python bench/resize_bench.py
 	$(VENV)/bin/python bench/reservation.py --repeat 3

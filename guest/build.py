@@ -1,7 +1,10 @@
 """Build the guest image: Debian's kernel as an uncompressed vmlinux (QEMU boots it
-through PVH) and an uncompressed initramfs with busybox, python3, runc, the few kernel
-modules a pod VM needs and the podvm agent. Everything comes from Debian packages and
-PyPI, by name and version, so the same inputs give the same image.
+through PVH); the root filesystem (busybox, python3, runc, the kernel modules a pod VM
+needs and the podvm agent) as a read-only erofs image that every pod maps through
+virtio-pmem with DAX, so the host's page cache holds it once for all pods and no guest
+copies it into its RAM; and a small uncompressed initramfs (busybox and the modules that
+mount that image). Everything comes from Debian packages and PyPI, by name and version,
+so the same inputs give the same image.
 
 usage: python3 guest/build.py [--out DIR] [--force]
 """
@@ -35,9 +38,13 @@ PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
             # protobuf's C backend (upb) links libstdc++: without it protobuf falls back to
             # pure Python, ~0.2 s slower to start under TCG and slower on every call.
             "libstdc++6", "libgcc-s1"]
-# virtio_net: the pod's interfaces (its dependencies, net_failover and failover, come
-# with it through module_paths).
-MODULES = ["virtio_pci", "virtio_console", "9pnet_virtio", "9p", "virtio_net"]
+# What the initramfs loads to mount the root image (their dependencies come with them
+# through module_paths; crc32c_generic is libcrc32c's soft dependency, which .modinfo
+# names by alias only).
+ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs"]
+# What the root's /init loads from the image: virtio_net for the pod's interfaces,
+# virtio_balloon to hand the pages the guest frees back to the host.
+MODULES = ["virtio_console", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
 # Not needed by a pod VM's agent, and large.
 PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
          "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",
@@ -85,6 +92,11 @@ KEEP_ENCODINGS = {"__init__", "aliases", "utf_8", "utf_8_sig", "latin_1", "ascii
                   "raw_unicode_escape", "unicode_escape", "utf_16", "utf_32", "punycode"}
 AGENT_DIR = "/opt/podvm"
 INIT = pathlib.Path(__file__).resolve().parent / "init"
+INITRAMFS_INIT = pathlib.Path(__file__).resolve().parent / "initramfs-init"
+# virtio-pmem maps the image into the VM's hot-plug area, where a DIMM plugged after it
+# must start on a guest memory block (128 MiB): the image is padded to a whole number of
+# them with a hole (no disk, no page cache).
+IMAGE_ALIGN = 128 << 20
 # The agent and the one package host and guest share; nothing of the shim goes in.
 AGENT_SOURCES = [("guest/agent", "podvm_agent"), ("podvm_core", "podvm_core")]
 
@@ -113,6 +125,14 @@ def versions(packages: list[str]) -> dict[str, str]:
     return found
 
 
+def erofs_utils_version() -> str:
+    """mkfs.erofs makes the root image: the installed one is an input too."""
+    try:
+        return run("dpkg-query", "-W", "-f=${Version}", "erofs-utils")
+    except subprocess.CalledProcessError:
+        raise SystemExit("mkfs.erofs is missing: install the erofs-utils package") from None
+
+
 def protobuf_version() -> str:
     return google.protobuf.__version__
 
@@ -120,12 +140,15 @@ def protobuf_version() -> str:
 def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
     pinned = versions([kernel_pkg, *PACKAGES])
     sources = hashlib.sha256()
-    for path in sorted([INIT, pathlib.Path(__file__), *(ROOT / "guest").rglob("*.py")]):
+    for path in sorted([INIT, INITRAMFS_INIT, pathlib.Path(__file__),
+                        *(ROOT / "guest").rglob("*.py")]):
         sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     for _, (src, _) in enumerate(AGENT_SOURCES):
         for path in sorted((ROOT / src).rglob("*.py")) if (ROOT / src).is_dir() else [ROOT / src]:
             sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
-    manifest = {"packages": pinned, "protobuf": protobuf_version(), "modules": MODULES,
+    manifest = {"packages": pinned, "protobuf": protobuf_version(),
+                "modules": {"initramfs": ROOT_MODULES, "root": MODULES},
+                "erofs-utils": erofs_utils_version(),
                 "sources": sources.hexdigest()}
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), manifest
 
@@ -149,8 +172,10 @@ def extract_vmlinux(vmlinuz: bytes) -> bytes:
     return elf
 
 
-def module_paths(modroot: pathlib.Path, names: list[str]) -> list[pathlib.Path]:
-    """The modules and what they depend on, dependencies first (read from .modinfo)."""
+def module_paths(modroot: pathlib.Path, names: list[str],
+                 loaded: list[pathlib.Path] | None = None) -> list[pathlib.Path]:
+    """The modules and what they depend on, dependencies first (read from .modinfo),
+    leaving out those `loaded` already."""
     index = {p.name.removesuffix(".ko").replace("-", "_"): p for p in modroot.rglob("*.ko")}
     builtin = {line.rsplit("/", 1)[-1].removesuffix(".ko").replace("-", "_")
                for line in (modroot / "modules.builtin").read_text().split()}
@@ -159,7 +184,7 @@ def module_paths(modroot: pathlib.Path, names: list[str]) -> list[pathlib.Path]:
     def visit(name: str) -> None:
         name = name.replace("-", "_")
         if name in builtin or any(p.name.removesuffix(".ko").replace("-", "_") == name
-                                  for p in ordered):
+                                  for p in [*(loaded or []), *ordered]):
             return
         path = index.get(name)
         if path is None:
@@ -231,29 +256,64 @@ def compile_python(staging: pathlib.Path) -> None:
             path.unlink()
 
 
-def write_initrd(staging: pathlib.Path, modules: list[pathlib.Path], out: pathlib.Path) -> None:
+def busybox_applets(staging: pathlib.Path) -> list[str]:
+    """Its applets' names (the list names busybox itself too)."""
+    return [a for a in run(str(staging / "bin" / "busybox"), "--list").split()
+            if a != "busybox"]
+
+
+def finish_root(staging: pathlib.Path, modules: list[pathlib.Path]) -> None:
+    """What the root image holds beyond the packages: busybox's applets, /init, the
+    modules the root's /init loads, and mount points (the root is read-only)."""
+    for d in ("dev", "proc", "sys", "tmp", "run", "root", "mnt", "var"):
+        (staging / d).mkdir(exist_ok=True)
+    (staging / "var/run").symlink_to("/run")
+    for applet in busybox_applets(staging):
+        if not any((staging / where / applet).exists()
+                   for where in ("bin", "usr/bin", "sbin", "usr/sbin")):
+            (staging / "bin" / applet).symlink_to("busybox")
+    (staging / "usr/bin/python3").symlink_to("python3.11")
+    moddir = staging / "lib/podvm-modules"
+    moddir.mkdir(parents=True)
+    for mod in modules:
+        shutil.copyfile(mod, moddir / mod.name)
+    (moddir / "order").write_text("".join(f"{m.name}\n" for m in modules))
+    (staging / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (staging / "etc/group").write_text("root:x:0:\n")
+    shutil.copyfile(INIT, staging / "init")
+    (staging / "init").chmod(0o755)
+
+
+def write_root_image(staging: pathlib.Path, out: pathlib.Path) -> None:
+    """Uncompressed erofs, every file's data in whole blocks (no inline tails): what
+    DAX can map straight from the host's page cache. Fixed owners, times and UUID, so
+    the image depends on its inputs only."""
+    subprocess.run(["mkfs.erofs", "--quiet", "--all-root", "-T0", "-Enoinline_data",
+                    "-U00000000-0000-0000-0000-000000000000", str(out), str(staging)],
+                   check=True)
+    with open(out, "r+b") as f:
+        f.truncate(-(-f.seek(0, 2) // IMAGE_ALIGN) * IMAGE_ALIGN)
+
+
+def write_initrd(busybox: pathlib.Path, applets: list[str], modules: list[pathlib.Path],
+                 out: pathlib.Path) -> None:
     buf = io.BytesIO()
     cpio = CpioWriter(buf)
-    for d in ("dev", "proc", "sys", "tmp", "run", "root", "etc", "mnt", "var/run"):
+    for d in ("dev", "proc", "sys", "root"):
         cpio.directory(d)
-    cpio.tree(str(staging), "")
-    applets = run(str(staging / "bin" / "busybox"), "--list").split()
+    cpio.file("bin/busybox", busybox.read_bytes(), 0o755)
     for applet in applets:
-        for where in ("bin", "usr/bin", "sbin", "usr/sbin"):
-            if (staging / where / applet).exists():
-                break
-        else:
-            cpio.symlink(f"bin/{applet}", "busybox")
-    cpio.symlink("usr/bin/python3", "python3.11")
+        cpio.symlink(f"bin/{applet}", "busybox")
     for mod in modules:
         cpio.file(f"lib/podvm-modules/{mod.name}", mod.read_bytes())
     cpio.file("lib/podvm-modules/order",
               "".join(f"{m.name}\n" for m in modules).encode())
-    cpio.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
-    cpio.file("etc/group", b"root:x:0:\n")
-    cpio.file("init", INIT.read_bytes(), 0o755)
+    cpio.file("init", INITRAMFS_INIT.read_bytes(), 0o755)
     cpio.close()
     out.write_bytes(buf.getvalue())
+
+
+OUTPUTS = ("vmlinux", "initrd.img", "rootfs.img")
 
 
 def build(out: pathlib.Path, force: bool = False) -> None:
@@ -261,7 +321,7 @@ def build(out: pathlib.Path, force: bool = False) -> None:
     digest, manifest = inputs_digest(kernel_pkg)
     stamp = out / "inputs.sha256"
     if not force and stamp.exists() and stamp.read_text().strip() == digest and \
-            (out / "vmlinux").exists() and (out / "initrd.img").exists():
+            all((out / name).exists() for name in OUTPUTS):
         print(f"guest image in {out} is up to date ({digest[:12]})")
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +332,9 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         subprocess.run(["dpkg-deb", "-x", str(kernel_deb), str(kroot)], check=True)
         vmlinuz = next((kroot / "boot").glob("vmlinuz-*"))
         release = vmlinuz.name.removeprefix("vmlinuz-")
-        modules = module_paths(kroot / "lib/modules" / release, MODULES)
+        modroot = kroot / "lib/modules" / release
+        early = module_paths(modroot, ROOT_MODULES)
+        late = module_paths(modroot, MODULES, loaded=early)
         staging = work / "root"
         stage_root(download(PACKAGES, work / "debs"), staging)
         add_protobuf(staging, work)
@@ -280,17 +342,19 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         compile_python(staging)
         (staging / "etc").mkdir(exist_ok=True)
         (staging / "etc/podvm-release").write_text(release + "\n")
+        finish_root(staging, late)
         (out / "vmlinux.tmp").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
-        write_initrd(staging, modules, out / "initrd.img.tmp")
-    (out / "vmlinux.tmp").replace(out / "vmlinux")
-    (out / "initrd.img.tmp").replace(out / "initrd.img")
+        write_initrd(staging / "bin/busybox", busybox_applets(staging), early,
+                     out / "initrd.img.tmp")
+        write_root_image(staging, out / "rootfs.img.tmp")
+    for name in OUTPUTS:
+        (out / f"{name}.tmp").replace(out / name)
     (out / "manifest.json").write_text(json.dumps(dict(manifest, kernel_release=release),
                                                   indent=2, sort_keys=True) + "\n")
     stamp.write_text(digest + "\n")
     mib = 1 << 20
-    print(f"guest image in {out}: kernel {release} vmlinux "
-          f"{(out / 'vmlinux').stat().st_size / mib:.1f} MiB, initrd.img "
-          f"{(out / 'initrd.img').stat().st_size / mib:.1f} MiB")
+    print(f"guest image in {out}: kernel {release}, "
+          + ", ".join(f"{name} {(out / name).stat().st_size / mib:.1f} MiB" for name in OUTPUTS))
 
 
 def main() -> int:

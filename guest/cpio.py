@@ -52,22 +52,6 @@ class CpioWriter:
         self._seen.add(name)
         self._entry(name, stat.S_IFLNK | 0o777, target.encode())
 
-    def tree(self, source: str, prefix: str) -> None:
-        """Everything under `source` at `prefix`, in a stable order."""
-        for root, dirs, files in os.walk(source):
-            dirs.sort()
-            rel = os.path.relpath(root, source)
-            base = prefix if rel == "." else f"{prefix}/{rel}"
-            self.directory(base, stat.S_IMODE(os.lstat(root).st_mode))
-            for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))]):
-                path = os.path.join(root, name)
-                st = os.lstat(path)
-                if stat.S_ISLNK(st.st_mode):
-                    self.symlink(f"{base}/{name}", os.readlink(path))
-                elif stat.S_ISREG(st.st_mode):
-                    with open(path, "rb") as f:
-                        self.file(f"{base}/{name}", f.read(), stat.S_IMODE(st.st_mode))
-
     def close(self) -> None:
         self._entry(TRAILER, 0)
         self._out.write(b"\0" * (-self._out.tell() % 512))

@@ -1,5 +1,7 @@
 """Boot the guest image with a script of the test's own as init (a second cpio archive
-the kernel unpacks over the image), no agent: what the guest kernel itself says."""
+the kernel unpacks over the initramfs), no agent: what the guest kernel itself says.
+With `root`, the script runs chrooted in the guest's root image (python3, runc, the
+modules), mounted as the initramfs mounts it for a pod."""
 from __future__ import annotations
 
 import os
@@ -11,14 +13,32 @@ import pytest
 from guest.cpio import CpioWriter
 from shim.hypervisor.qemu import KERNEL_PARAMS, QBOOT
 from tests.conftest import require, require_tool
-from tests.vmconfig import guest_image
+from tests.vmconfig import guest_image, root_image
 
-INIT = "podvm-probe/init"
+DIR = "podvm-probe"
+# The initramfs's own steps to the root image (guest/initramfs-init), then the script in
+# it, with /tmp/podvm-probe holding the test's files.
+INTO_ROOT = f"""mount -t devtmpfs devtmpfs /dev
+while read -r module; do insmod "/lib/podvm-modules/$module"; done < /lib/podvm-modules/order
+tries=0
+until [ -b /dev/pmem0 ] || [ $tries -ge 1000 ]; do usleep 10000; tries=$((tries + 1)); done
+mount -t erofs -o ro /dev/pmem0 /root || echo "PROBE cannot mount the root image"
+mount -t tmpfs -o mode=1777 tmpfs /root/tmp
+cp -r /{DIR} /root/tmp/
+mount -t proc proc /root/proc
+mount -t sysfs sysfs /root/sys
+mount --move /dev /root/dev
+chroot /root /bin/sh /tmp/{DIR}/script
+"""
 
 
-def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240) -> str:
-    """The guest console after `script` (run by the initramfs's busybox sh as PID 1, with
-    /proc mounted; its output goes to the console) has run and the guest powered off."""
+def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240, *,
+              root: bool = False, files: dict[str, bytes] | None = None,
+              memory_mib: int = 256, vcpus: int = 1) -> str:
+    """The guest console after `script` (run by busybox sh as PID 1 with /proc mounted,
+    or with `root` in the root image; its output goes to the console) has run and the
+    guest powered off. `files`: put beside it, in /podvm-probe (/tmp/podvm-probe in the
+    root image)."""
     require_tool("qemu-system-x86_64", "qemu-system-x86")
     require(os.path.isfile(QBOOT), f"{QBOOT} (Debian package qemu-system-data)")
     kernel, initrd = guest_image()
@@ -28,14 +48,29 @@ def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240) -> str:
             while chunk := src.read(1 << 20):
                 f.write(chunk)
         cpio = CpioWriter(f)
-        cpio.file(INIT, ("#!/bin/busybox sh\nexport PATH=/bin\nmount -t proc proc /proc\n"
-                         f"{script}\npoweroff -f\n").encode(), 0o755)
+        for name, data in (files or {}).items():
+            cpio.file(f"{DIR}/{name}", data)
+        cpio.file(f"{DIR}/script", (script + "\n").encode(), 0o755)
+        cpio.file(f"{DIR}/init", ("#!/bin/busybox sh\nexport PATH=/bin\n"
+                                  "mount -t proc proc /proc\n"
+                                  + (INTO_ROOT if root else f"sh /{DIR}/script\n")
+                                  + "poweroff -f\n").encode(), 0o755)
         cpio.close()
     console = workdir / "console.log"
-    argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-cpu", "max",
-            "-bios", QBOOT, "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-            "-m", "256", "-kernel", kernel, "-initrd", str(overlay),
-            "-append", f"{KERNEL_PARAMS} rdinit=/{INIT}", "-serial", f"file:{console}"]
+    memory = [f"{memory_mib}M"]
+    devices: list[str] = []
+    if root:
+        image = root_image()
+        size = os.path.getsize(image)
+        memory += ["slots=1", f"maxmem={memory_mib + (size >> 20)}M"]
+        devices = ["-object", f"memory-backend-file,id=root,mem-path={image},size={size},"
+                              f"share=on,readonly=on",
+                   "-device", "virtio-pmem-pci,memdev=root"]
+    argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg,thread=multi,tb-size=64",
+            "-cpu", "max", "-bios", QBOOT, "-nodefaults", "-no-user-config", "-nographic",
+            "-no-reboot", "-m", ",".join(memory), "-smp", str(vcpus), *devices,
+            "-kernel", kernel, "-initrd", str(overlay),
+            "-append", f"{KERNEL_PARAMS} rdinit=/{DIR}/init", "-serial", f"file:{console}"]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:

@@ -24,8 +24,11 @@ def test_install_twice_and_run(tmp_path: pathlib.Path) -> None:
     shim = tmp_path / "bin" / "containerd-shim-podvm-v2"
     version = subprocess.run([str(shim), "-v"], capture_output=True, text=True)
     assert version.returncode == 0 and "Version:" in version.stdout
-    for name in ("vmlinux", "initrd.img"):
+    for name in ("vmlinux", "initrd.img", "rootfs.img"):
         assert (tmp_path / "guest" / name).stat().st_size > 1 << 20
+    # the root image's padding stays a hole
+    image = (tmp_path / "guest" / "rootfs.img").stat()
+    assert image.st_blocks * 512 < image.st_size
     conf = tmp_path / "etc" / "configuration.toml"
     assert conf.read_text() == (ROOT / "packaging" / "configuration.toml").read_text()
     conf.write_text("[hypervisor.qemu]\naccel = \"tcg\"\n")  # the admin's own edit

@@ -21,9 +21,17 @@ def guest_image() -> tuple[str, str]:
     return str(kernel), str(initrd)
 
 
+def root_image() -> str:
+    """The guest's root filesystem, which the initramfs mounts (virtio-pmem)."""
+    image = GUEST / "rootfs.img"
+    require(image.is_file(), f"the guest root image {image} (make guest)")
+    return str(image)
+
+
 def vm_config(**qemu: object) -> Config:
     kernel, initrd = guest_image()
-    fields = dict(kernel=kernel, initrd=initrd, accel="tcg", default_vcpus=1,
+    fields = dict(kernel=kernel, initrd=initrd, image=root_image(), accel="tcg",
+                  default_vcpus=1,
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
                   boot_timeout=60)
     fields.update(qemu)
@@ -36,7 +44,7 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     `runtime`: keys of its [runtime] section."""
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
-    for key in ("kernel", "initrd", "accel"):
+    for key in ("kernel", "initrd", "image", "accel"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
                 "boot_timeout"):

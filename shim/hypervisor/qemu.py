@@ -1,6 +1,7 @@
-"""QEMU: q35 with qboot and a PVH-booted uncompressed kernel (fast under TCG too),
-room for CPU and memory hot-plug, the agent on a virtio-serial port, the pod's shared
-directory over virtio-9p, QMP for control and thread ids."""
+"""QEMU: q35 with qboot and a PVH-booted uncompressed kernel (fast under TCG too), the
+guest's root image shared read-only over virtio-pmem, room for CPU and memory hot-plug,
+free page reporting, the agent on a virtio-serial port, the pod's shared directory over
+virtio-9p, QMP for control and thread ids."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +25,8 @@ VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
 log = logging.getLogger("podvm.qemu")
 
 SHARE_TAG = "podvm"
+ROOT_IMAGE = "rootfs"
+"""The id of the root image's memory backend and virtio-pmem device."""
 QBOOT = "/usr/share/qemu/qboot.rom"
 # Each skips probing a microVM does not need; measured under TCG in design.md. The second
 # half skips boot work no pod VM uses (-0.4 s to /init under TCG): crypto self-tests, the
@@ -31,12 +34,14 @@ QBOOT = "/usr/share/qemu/qboot.rom"
 # unsigned-tainted, signatures are not enforced), 3 of 4 UARTs, zeroing of every kernel
 # allocation, audit, the LSMs (apparmor & co.: runc skips profiles when it is off), the
 # lockup watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug are untouched.
+# swiotlb=noforce: the hot-plug area reaches above 4 GiB, for which the kernel would set
+# aside 64 MiB of bounce buffers (touched at boot) that no virtio device uses.
 KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i8042.nopnp "
                  "i8042.dumbkbd tsc=reliable no_timer_check rcupdate.rcu_expedited=1 "
                  "mitigations=off nokaslr "
                  "cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_kprobe_trace,"
                  "load_system_certificate_list,init_encrypted 8250.nr_uarts=1 init_on_alloc=0 "
-                 "audit=0 lsm=capability nowatchdog")
+                 "audit=0 lsm=capability nowatchdog swiotlb=noforce")
 
 
 class QemuVM(VM):
@@ -74,10 +79,13 @@ class QemuVM(VM):
 
     def command(self) -> list[str]:
         s, q = self.spec, self.spec.hypervisor
-        memory = f"{s.memory_mib}M"
-        if s.max_memory_mib > s.memory_mib:
-            memory += f",slots=8,maxmem={s.max_memory_mib}M"
-        # TCG reserves 1 GiB for translated code by default; a pod VM needs far less.
+        image = os.path.getsize(q.image)  # all of it is mapped (its padding is a hole)
+        # The hot-plug area holds the root image, then what DIMMs may add.
+        maxmem = max(s.max_memory_mib, s.memory_mib) + (image >> 20)
+        # TCG reserves 1 GiB for translated code by default, all of it touched in time
+        # (QEMU backs it with huge pages); booting fills 64 MiB. Not less: QEMU 7.2
+        # aborts (tcg_region_initial_alloc) when a vCPU is hot-plugged after the running
+        # ones have taken every region of a 32 MiB cache, and 16 MiB thrashes.
         accel = "tcg,thread=multi,tb-size=64" if q.accel == "tcg" else "kvm"
         cpu = "max" if q.accel == "tcg" else "host"
         return [
@@ -86,8 +94,13 @@ class QemuVM(VM):
             "-bios", QBOOT, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
             "-S",  # paused until QMP is attached, so no early event is missed
             "-smp", f"{s.vcpus},maxcpus={max(s.vcpus, s.max_vcpus)}",
-            "-m", memory,
+            "-m", f"{s.memory_mib}M,slots=8,maxmem={maxmem}M",
             "-kernel", q.kernel, "-initrd", q.initrd, "-append", KERNEL_PARAMS,
+            "-object", f"memory-backend-file,id={ROOT_IMAGE},mem-path={q.image},"
+                       f"size={image},share=on,readonly=on",
+            "-device", f"virtio-pmem-pci,memdev={ROOT_IMAGE},id={ROOT_IMAGE}",
+            # The pages the guest frees (its boot's, a container's) go back to the host.
+            "-device", "virtio-balloon-pci,free-page-reporting=on",
             "-serial", f"file:{self.console_log}",
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-device", "virtio-serial-pci,id=serial0",
@@ -107,10 +120,15 @@ class QemuVM(VM):
             where = DEFAULT_CONFIG
         for key, path, fix in (("path", q.path, "install the qemu-system-x86 package"),
                                ("kernel", q.kernel, "run `make install` (it builds them)"),
-                               ("initrd", q.initrd, "run `make install` (it builds them)")):
+                               ("initrd", q.initrd, "run `make install` (it builds them)"),
+                               ("image", q.image, "run `make install` (it builds them)")):
             if not os.path.isfile(path):
                 raise MissingFile(f"{key} {path} does not exist: {fix}, or set "
                                   f"[hypervisor.qemu] {key} in {where}")
+        if os.path.getsize(q.image) % (MEMORY_BLOCK_MIB << 20):
+            raise MissingFile(f"image {q.image} is {os.path.getsize(q.image)} bytes, not a "
+                              f"multiple of {MEMORY_BLOCK_MIB} MiB (a guest memory block): "
+                              f"build it with guest/build.py")
         if not os.path.isfile(QBOOT):
             raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
                               f"qemu-system-x86 package")
@@ -272,11 +290,14 @@ class QemuVM(VM):
                 f"{type(exc).__name__}: {exc}") from None
 
     async def size(self) -> tuple[int, int]:
-        """vCPUs present and memory (MiB, boot + plugged) as QEMU reports them now."""
+        """vCPUs present and memory (MiB, boot + DIMMs) as QEMU reports them now; the
+        root image's virtio-pmem is plugged memory to QEMU, not RAM."""
         cpus = await self._execute("query-cpus-fast")
         memory = await self._execute("query-memory-size-summary")
-        total = memory["base-memory"] + memory.get("plugged-memory", 0)  # type: ignore[index]
-        return len(cpus), total >> 20  # type: ignore[arg-type]
+        devices = await self._execute("query-memory-devices")
+        dimms = sum(d["data"]["size"] for d in devices  # type: ignore[union-attr,index]
+                    if d["type"] == "dimm")  # type: ignore[index]
+        return len(cpus), (memory["base-memory"] + dimms) >> 20  # type: ignore[index]
 
     async def add_vcpus(self, count: int) -> list[int]:
         """Hot-plug `count` vCPUs into free slots (ACPI CPU hot-plug; the guest onlines

@@ -4,78 +4,42 @@ hybrid machine is not: our guest VM's kernel mounts one, so the same package run
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 
 import pytest
 
-from guest.cpio import CpioWriter
-from shim.hypervisor.qemu import KERNEL_PARAMS, QBOOT
-from tests.conftest import require
-from tests.vmconfig import ROOT, guest_image
+from tests.guestprobe import run_probe
+from tests.vmconfig import ROOT
 
 HERE = pathlib.Path(__file__).parent
-INIT = """#!/bin/sh
-export PATH=/usr/sbin:/usr/bin:/sbin:/bin
-mount -t proc proc /proc
-mount -t sysfs sysfs /sys
-mount -t devtmpfs devtmpfs /dev
-exec >/dev/ttyS0 2>&1
+SCRIPT = """export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 echo "+cpu +cpuset +memory +pids +io" > /sys/fs/cgroup/cgroup.subtree_control
-/usr/bin/python3 -B -S /podvm-cgtest/guest_v2_check.py
-poweroff -f || echo o > /proc/sysrq-trigger
+/usr/bin/python3 -B -S /tmp/podvm-probe/guest_v2_check.py
 """
 
 
-def overlay_initrd(base: str, out: pathlib.Path) -> None:
-    """The guest image plus this package and the check, as a second cpio archive the
-    kernel unpacks over the first."""
-    with open(out, "wb") as f:
-        with open(base, "rb") as src:
-            while chunk := src.read(1 << 20):
-                f.write(chunk)
-        cpio = CpioWriter(f)
-        cpio.file("podvm-cgtest/init", INIT.encode(), 0o755)
-        for name in ("guest_v2_check.py", "threads_helper.py"):
-            cpio.file(f"podvm-cgtest/{name}", (HERE / name).read_bytes())
-        # cgroups/ and the plain modules of the core package it imports (CPU lists).
-        for package in ("cgroups", "podvm_core"):
-            for path in sorted((ROOT / package).glob("*.py")):
-                cpio.file(f"podvm-cgtest/{package}/{path.name}", path.read_bytes())
-        cpio.close()
+def probe_files() -> dict[str, bytes]:
+    """The check, its helper, this package and the plain modules of the core package it
+    imports (CPU lists)."""
+    files = {name: (HERE / name).read_bytes()
+             for name in ("guest_v2_check.py", "threads_helper.py")}
+    for package in ("cgroups", "podvm_core"):
+        for path in sorted((ROOT / package).glob("*.py")):
+            files[f"{package}/{path.name}"] = path.read_bytes()
+    return files
 
 
 @pytest.fixture(scope="module")
 def guest_report(tmp_path_factory) -> dict:
-    kernel, initrd = guest_image()
-    require(os.path.isfile(QBOOT), f"{QBOOT} (Debian package qemu-system-data)")
-    work = tmp_path_factory.mktemp("cgv2")
-    overlay_initrd(initrd, work / "initrd.img")
-    console = work / "console.log"
-    argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg,thread=multi,tb-size=64",
-            "-cpu", "max", "-bios", QBOOT, "-nodefaults", "-no-user-config", "-nographic",
-            "-no-reboot", "-m", "512", "-smp", "2", "-kernel", kernel,
-            "-initrd", str(work / "initrd.img"),
-            "-append", f"{KERNEL_PARAMS} rdinit=/podvm-cgtest/init",
-            "-serial", f"file:{console}"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        _, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"guest did not finish; console:\n{console.read_text()[-3000:]}")
-    text = console.read_text(errors="replace")
+    text = run_probe(tmp_path_factory.mktemp("cgv2"), SCRIPT, root=True,
+                     files=probe_files(), memory_mib=512, vcpus=2)
     for line in text.splitlines():
         if line.startswith("PODVM-CGTEST-ERROR "):
             pytest.fail("the check failed in the guest:\n" + json.loads(line.split(" ", 1)[1]))
         if line.startswith("PODVM-CGTEST "):
             return json.loads(line.split(" ", 1)[1])
-    pytest.fail(f"no report from the guest (QEMU {proc.returncode}: {err.decode()[-500:]});"
-                f" console:\n{text[-3000:]}")
+    pytest.fail(f"no report from the guest; console:\n{text[-3000:]}")
 
 
 def test_a_full_v2_host_gets_the_v2_manager_with_every_controller(guest_report):

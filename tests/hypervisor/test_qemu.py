@@ -110,3 +110,29 @@ async def test_missing_kernel_is_named(tmp_path) -> None:
     with pytest.raises(MissingFile, match="kernel /nonexistent/vmlinux does not exist.*"
                                           "/etc/x.toml"):
         await vm.launch()
+
+
+async def test_root_image_not_in_whole_memory_blocks_is_refused_before_launch(tmp_path) -> None:
+    """virtio-pmem puts the image where a hot-plugged DIMM would follow it: an image that
+    does not end on a guest memory block would leave that DIMM unusable."""
+    odd = tmp_path / "rootfs.img"
+    odd.write_bytes(b"\0" * 4096)
+    vm = QemuVM(spec(tmp_path, image=str(odd)))
+    with pytest.raises(MissingFile, match=f"image {odd} is 4096 bytes, not a multiple of "
+                                          "128 MiB.*guest/build.py"):
+        await vm.launch()
+    assert not os.path.exists(vm.spec.workdir)  # nothing was started
+
+
+async def test_root_image_is_mapped_shared_and_is_not_guest_ram(tmp_path) -> None:
+    """The image is QEMU's shared, read-only mapping of the file (one copy in the host's
+    page cache for every pod), and the VM's size counts RAM only."""
+    vm = QemuVM(spec(tmp_path))
+    await vm.launch()
+    try:
+        maps = pathlib.Path(f"/proc/{vm.pid}/maps").read_text().splitlines()
+        image = [m.split()[1] for m in maps if m.endswith(vm.spec.hypervisor.image)]
+        assert image == ["r--s"]
+        assert await vm.size() == (2, 256)
+    finally:
+        await vm.stop()
