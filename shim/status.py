@@ -161,6 +161,14 @@ def kubernetes_view(plan: dict) -> dict:
             if plan["cgroup_cpu_quota"] > 0 else 0.0}
 
 
+def _kernel_keeps(vm: dict) -> str:
+    """What the guest kernel keeps of the VM's memory for itself (its image, memmap)."""
+    if not vm.get("qemu_memory_mib") or not vm.get("memory_total_mib"):
+        return ""
+    return (f" ({vm['qemu_memory_mib'] - vm['memory_total_mib']} MiB less: the guest "
+            f"kernel's own)")
+
+
 def _mib(value: int | None) -> str:
     return "no limit" if value is None else f"{value // MIB} MiB"
 
@@ -204,7 +212,7 @@ def render(report: dict) -> str:
         lines.append(f"VM: QEMU gave it {vm.get('qemu_vcpus', '?')} vCPUs and "
                      f"{vm.get('qemu_memory_mib', '?')} MiB; the guest has "
                      f"{vm.get('online_cpus')} vCPUs online, MemTotal "
-                     f"{vm.get('memory_total_mib')} MiB")
+                     f"{vm.get('memory_total_mib')} MiB" + _kernel_keeps(vm))
     lines += _network_lines(report.get("network") or {})
     k8s = kubernetes_view(plan)
     if k8s:
