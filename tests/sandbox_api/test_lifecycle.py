@@ -17,6 +17,7 @@ from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
+from shim.config import MEASURED_OVERHEAD_MIB
 from tests.e2e.taskshim import TASK, Fifos, busybox_rootfs, create, spec
 from tests.shim.shimproc import alive, daemon_pid, run_shim
 from tests.shim.test_process_contract import wait_gone
@@ -24,7 +25,7 @@ from tests.shim.test_process_contract import wait_gone
 from .harness import MIB, NS, cgroup_exists, cgroup_file, cgroup_of, sandbox_shim, v2
 
 LINUX_RESOURCES = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources"
-TCG_QEMU_OVERHEAD_MIB = 256  # memory_overhead's measured default under TCG
+TCG_QEMU_OVERHEAD_MIB = MEASURED_OVERHEAD_MIB["tcg"]  # memory_overhead's default
 
 
 @pytest.fixture(scope="module")
