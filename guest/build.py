@@ -45,6 +45,19 @@ ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs
 # What the root's /init loads from the image: virtio_net for the pod's interfaces,
 # virtio_balloon to hand the pages the guest frees back to the host.
 MODULES = ["virtio_console", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
+# Loaded on demand, as on a node: what a privileged container (or one with NET_ADMIN or
+# SYS_ADMIN) can use under runc and would miss in the guest: bridges, netfilter (nft and
+# iptables), tun, overlay, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under
+# the kernel's module tree, globs allowed; what they depend on comes with them. They sit
+# in the shared root image, so a pod pays for one only when it loads it.
+ON_DEMAND = ["net/bridge/*.ko", "net/netfilter/*.ko", "net/netfilter/ipset/*.ko",
+             "net/netfilter/ipvs/*.ko", "net/ipv4/netfilter/*.ko",
+             "net/ipv6/netfilter/*.ko", "net/bridge/netfilter/*.ko", "net/8021q/*.ko",
+             "drivers/net/tun.ko", "drivers/net/veth.ko", "drivers/net/dummy.ko",
+             "drivers/net/macvlan.ko", "drivers/net/ipvlan/*.ko", "drivers/net/vxlan/*.ko",
+             "fs/overlayfs/*.ko", "fs/fuse/*.ko",
+             # the text search conntrack helpers ask for by name (amanda, ...)
+             "lib/ts_*.ko"]
 # Not needed by a pod VM's agent, and large.
 PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
          "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",
@@ -147,7 +160,7 @@ def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
         for path in sorted((ROOT / src).rglob("*.py")) if (ROOT / src).is_dir() else [ROOT / src]:
             sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     manifest = {"packages": pinned, "protobuf": protobuf_version(),
-                "modules": {"initramfs": ROOT_MODULES, "root": MODULES},
+                "modules": {"initramfs": ROOT_MODULES, "root": MODULES, "on_demand": ON_DEMAND},
                 "erofs-utils": erofs_utils_version(),
                 "sources": sources.hexdigest()}
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), manifest
@@ -199,6 +212,63 @@ def module_paths(modroot: pathlib.Path, names: list[str],
     for name in names:
         visit(name)
     return ordered
+
+
+def modinfo(path: pathlib.Path, key: str) -> list[str]:
+    """The values of `key` in a module's .modinfo strings."""
+    data, tag, found = path.read_bytes(), b"\0" + key.encode() + b"=", []
+    at = data.find(tag)
+    while at >= 0:
+        end = data.index(b"\0", at + len(tag))
+        found.append(data[at + len(tag):end].decode())
+        at = data.find(tag, end)
+    return found
+
+
+def add_on_demand_modules(modroot: pathlib.Path, staging: pathlib.Path,
+                          release: str) -> list[str]:
+    """ON_DEMAND and their dependencies in the root's /lib/modules/<release>, with the
+    modules.dep and modules.alias busybox modprobe reads when the kernel asks for a
+    module (/sbin/modprobe). Returns their names."""
+    kernel = modroot / "kernel"
+    wanted = sorted({p for pattern in ON_DEMAND for p in kernel.glob(pattern)})
+    if not wanted:
+        raise SystemExit(f"none of the on-demand modules is in {kernel}")
+    names = [p.name.removesuffix(".ko") for p in wanted]
+    shipped = module_paths(modroot, names)
+    target = staging / "lib/modules" / release
+    for path in shipped:
+        rel = path.relative_to(modroot)
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target / rel)
+    rel_of = {p.name.removesuffix(".ko").replace("-", "_"): str(p.relative_to(modroot))
+              for p in shipped}
+
+    def deps(path: pathlib.Path) -> list[str]:
+        """Every module `path` needs, in kmod's order: each before the ones it needs,
+        so that modprobe, loading from the end, loads a module's needs first."""
+        ordered: list[str] = []
+
+        def visit(module: pathlib.Path) -> None:
+            for dep in filter(None, ",".join(modinfo(module, "depends")).split(",")):
+                dep_rel = rel_of.get(dep.replace("-", "_"))
+                if dep_rel and dep_rel not in ordered:
+                    visit(modroot / dep_rel)
+                    ordered.append(dep_rel)
+
+        visit(path)
+        return ordered[::-1]
+
+    (target / "modules.dep").write_text("".join(
+        f"{rel_of[name]}: {' '.join(deps(modroot / rel_of[name]))}".rstrip() + "\n"
+        for name in sorted(rel_of)))
+    (target / "modules.alias").write_text("".join(
+        f"alias {alias} {name}\n" for name in sorted(rel_of)
+        for alias in modinfo(modroot / rel_of[name], "alias")))
+    shutil.copyfile(modroot / "modules.builtin", target / "modules.builtin")
+    (staging / "sbin").mkdir(exist_ok=True)
+    (staging / "sbin/modprobe").symlink_to("/bin/busybox")
+    return sorted(rel_of)
 
 
 def stage_root(debs: list[pathlib.Path], staging: pathlib.Path) -> None:
@@ -343,13 +413,15 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         (staging / "etc").mkdir(exist_ok=True)
         (staging / "etc/podvm-release").write_text(release + "\n")
         finish_root(staging, late)
+        on_demand = add_on_demand_modules(modroot, staging, release)
         (out / "vmlinux.tmp").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
         write_initrd(staging / "bin/busybox", busybox_applets(staging), early,
                      out / "initrd.img.tmp")
         write_root_image(staging, out / "rootfs.img.tmp")
     for name in OUTPUTS:
         (out / f"{name}.tmp").replace(out / name)
-    (out / "manifest.json").write_text(json.dumps(dict(manifest, kernel_release=release),
+    (out / "manifest.json").write_text(json.dumps(dict(manifest, kernel_release=release,
+                                                       on_demand_modules=on_demand),
                                                   indent=2, sort_keys=True) + "\n")
     stamp.write_text(digest + "\n")
     mib = 1 << 20

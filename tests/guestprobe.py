@@ -16,8 +16,9 @@ from tests.conftest import require, require_tool
 from tests.vmconfig import guest_image, root_image
 
 DIR = "podvm-probe"
-# The initramfs's own steps to the root image (guest/initramfs-init), then the script in
-# it, with /tmp/podvm-probe holding the test's files.
+# The initramfs's own steps to the root image (guest/initramfs-init), then the script as
+# its PID 1 (the kernel's own helpers, such as modprobe, run there too), with
+# /tmp/podvm-probe holding the test's files.
 INTO_ROOT = f"""mount -t devtmpfs devtmpfs /dev
 while read -r module; do insmod "/lib/podvm-modules/$module"; done < /lib/podvm-modules/order
 tries=0
@@ -28,7 +29,8 @@ cp -r /{DIR} /root/tmp/
 mount -t proc proc /root/proc
 mount -t sysfs sysfs /root/sys
 mount --move /dev /root/dev
-chroot /root /bin/sh /tmp/{DIR}/script
+umount /proc
+exec switch_root /root /bin/sh -c "sh /tmp/{DIR}/script; poweroff -f"
 """
 
 
@@ -51,10 +53,9 @@ def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240, *,
         for name, data in (files or {}).items():
             cpio.file(f"{DIR}/{name}", data)
         cpio.file(f"{DIR}/script", (script + "\n").encode(), 0o755)
-        cpio.file(f"{DIR}/init", ("#!/bin/busybox sh\nexport PATH=/bin\n"
-                                  "mount -t proc proc /proc\n"
-                                  + (INTO_ROOT if root else f"sh /{DIR}/script\n")
-                                  + "poweroff -f\n").encode(), 0o755)
+        cpio.file(f"{DIR}/init", ("#!/bin/busybox sh\nexport PATH=/bin\n" + (
+            INTO_ROOT if root else
+            f"mount -t proc proc /proc\nsh /{DIR}/script\npoweroff -f\n")).encode(), 0o755)
         cpio.close()
     console = workdir / "console.log"
     memory = [f"{memory_mib}M"]
