@@ -72,10 +72,11 @@ class AgentService:
             spec = json.loads(req.spec_json)
         except ValueError as exc:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"spec is not JSON: {exc}") from None
-        if req.pod_holder:  # the pod's sysctls come in the sandbox container's spec
+        if req.pod_holder:  # the pod's hostname and sysctls come in the sandbox's spec
             sysctls = (spec.get("linux") or {}).get("sysctl") or {}
             container = Container(req.container_id, True,
-                                  await holder.start(req.container_id, sysctls=sysctls),
+                                  await holder.start(req.container_id, spec.get("hostname", ""),
+                                                     sysctls=sysctls),
                                   holder=True)
             self.containers[req.container_id] = container
             return pb.CreateContainerResponse(pid=container.init.pid)

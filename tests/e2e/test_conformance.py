@@ -1,7 +1,8 @@
 """What kubelet expects of a pod and its containers (issue 18), through containerd's CRI
 (Debian's 1.6) as critest drives it: pod sysctls set in the pod's namespaces, a sysctl
 that would change the whole VM refused at runp, and read-only volumes that are
-read-only as runc makes them (their submounts stay writable), mount propagation from the
+read-only as runc makes them (their submounts stay writable), privileged containers with
+the kernel features runc gives them (bridges), mount propagation from the
 host refused when the container's task is made.
 
 Real containerd, QEMU under TCG and the guest image; every test runs with the real
@@ -57,6 +58,10 @@ def test_pod_sysctls_are_set_in_the_pod_s_namespaces_before_its_containers(
         assert read.stdout.split("\n")[:4] == [
             "kernel/shm_rmid_forced=1", "fs/mqueue/msg_max=100", "kernel/msgmax=16384",
             "net/ipv4/ip_local_port_range=40000\t50000"], read.stdout
+        # the pod's uts namespace is named as the PodSandboxConfig says (critest's "set
+        # hostname"): the sandbox container's spec carries it to the guest's holder
+        hostname = crictl.exec(cid, "hostname")
+        assert (hostname.exit_code, hostname.stdout) == (0, "sysctls\n"), hostname
     finally:
         remove_pod(crictl, pod_id)
 
@@ -148,3 +153,29 @@ def test_mount_propagation_from_the_host_is_refused(ctd, crictl, configs,
             remove_pod(crictl, pod_id)
     finally:
         mounts.unmount_all(str(shared))
+
+
+def test_a_privileged_container_makes_a_bridge_as_on_runc(ctd, crictl, configs) -> None:
+    """critest's own check (`brctl addbr`): the guest kernel loads the bridge module on
+    demand, for a privileged container and for one with NET_ADMIN added; without it the
+    container may not."""
+    security = {"namespace_options": {"network": 0}, "privileged": True}
+    privileged = dict(container_config("privileged", "exec sleep 1000"),
+                      linux={"security_context": {"privileged": True}})
+    pod_id, cid = run_pod(crictl, ctd, configs, "privileged", privileged,
+                          linux={"cgroup_parent": ctd.cgroup_parent,
+                                 "security_context": security})
+    try:
+        made = crictl.exec(cid, "sh", "-c", "brctl addbr foobar && ip link show foobar")
+        assert made.exit_code == 0 and "foobar" in made.stdout, made
+        pod_file = configs / "pod-privileged.json"
+        for name, caps in (("net-admin", {"add_capabilities": ["NET_ADMIN"]}), ("plain", {})):
+            config = dict(container_config(name, "exec sleep 1000"),
+                          linux={"security_context": {"capabilities": caps}})
+            other = crictl.create(pod_id, write_config(configs, f"{name}.json", config),
+                                  pod_file)
+            crictl.start(other)
+            tried = crictl.exec(other, "sh", "-c", f"brctl addbr br-{name[:5]}")
+            assert (tried.exit_code == 0) == bool(caps), tried
+    finally:
+        remove_pod(crictl, pod_id)
