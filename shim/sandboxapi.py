@@ -127,6 +127,7 @@ class SandboxService:
                   req.netns_path)
         pod.listen(self)
         self.slot.take(pod)
+        self.slot.sandbox_api_owner = req.sandbox_id
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod
         self._overhead_bytes = max(0, pod_config.linux.overhead.memory_limit_in_bytes)
         self._hostname = pod_config.hostname
@@ -209,6 +210,7 @@ class SandboxService:
             if self.phase is not Phase.STOPPED:
                 self._stopped(0)
         log.info("sandbox %s: shutdown", self.id)
+        self.slot.sandbox_api_owner = ""
         self._shutdown()
         return api.ShutdownSandboxResponse()
 

@@ -17,6 +17,10 @@ KILLED_STATUS = 137
 class PodSlot:
     def __init__(self) -> None:
         self.pod: Pod | None = None
+        self.sandbox_api_owner = ""
+        """The Sandbox-API sandbox that owns this shim until its ShutdownSandbox, which
+        alone ends the shim ("": none). containerd 2.x deletes the containers' tasks, and
+        asks the Task API to shut down, before it stops and shuts down the sandbox."""
         self._listeners: list[PodListener] = []
 
     def listen(self, listener: PodListener) -> None:

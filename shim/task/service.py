@@ -284,6 +284,10 @@ class TaskService:
             log.info("shutdown requested with %d container(s) left: staying up",
                      len(self.containers))
             return Empty()
+        if self.slot.sandbox_api_owner and not req.now:
+            log.info("shutdown requested: staying up for sandbox %s until its "
+                     "ShutdownSandbox", self.slot.sandbox_api_owner)
+            return Empty()
         log.info("shutting down%s", " now" if req.now else "")
         self._shutdown()
         return Empty()

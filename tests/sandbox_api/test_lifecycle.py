@@ -12,6 +12,7 @@ import os
 import pathlib
 
 import pytest
+from google.protobuf.empty_pb2 import Empty
 
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
@@ -209,6 +210,12 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         deleted = await pod.client.call(TASK, "Delete", api.DeleteRequest(id="c1"),
                                         api.DeleteResponse)
         assert deleted.exit_status == 137
+        # containerd 2.x asks the Task API to shut down once the last task is deleted,
+        # before it shuts the sandbox down: the shim stays for the sandbox
+        await pod.client.call(TASK, "Shutdown", api.ShutdownRequest(id="c1"), Empty)
+        await asyncio.sleep(0.5)
+        assert alive(pod.daemon_pid)
+        assert (await pod.status()).state == "SANDBOX_NOTREADY"
 
         # answered before the shim exits: containerd's sandbox controller takes
         # no answer as a failed shutdown
