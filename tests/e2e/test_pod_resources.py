@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from shim import paths, status
+from shim.config import MEASURED_OVERHEAD_MIB
 from tests.conftest import require_root, require_tool
 from tests.vmconfig import guest_image, write_test_config
 
@@ -104,13 +105,14 @@ def test_static_pod_is_sized_at_boot_and_refuses_growth(static_ctd, tmp_path) ->
     try:
         cpus, mem = guest_size(crictl, cid)
         assert cpus == 4
-        assert 768 - 200 < mem <= 768  # MemTotal: the VM's memory less the kernel's own
+        assert 768 - 64 <= mem <= 768  # MemTotal: the VM's memory less the kernel's own
         report = status.collect(status.find(pod_id, CRI_NAMESPACE))
         assert (report["plan"]["vcpus"], report["plan"]["memory_mib"]) == (4, 768)
         assert (report["vm"]["qemu_vcpus"], report["vm"]["qemu_memory_mib"]) == (4, 768)
         # Kubernetes' view (limits + the overhead the plan declares) is what the host gives
-        assert status.kubernetes_view(report["plan"]) == {"cpus": 3.5, "memory_mib": 1024}
-        assert report["cgroup"]["limits"]["memory_limit_bytes"] == 1024 * MIB
+        host_mib = 768 + MEASURED_OVERHEAD_MIB["tcg"]
+        assert status.kubernetes_view(report["plan"]) == {"cpus": 3.5, "memory_mib": host_mib}
+        assert report["cgroup"]["limits"]["memory_limit_bytes"] == host_mib * MIB
         assert report["differences"] == []
         grow = crictl.run("update", "--cpu-period", "100000", "--cpu-quota", "400000", cid,
                           check=False)
