@@ -22,10 +22,11 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # The daemon loads this module at the first Sandbox API call (shim/daemon.py), so the
 # pod's machinery is imported here at the top: a sandbox is about to need it.
-from . import config
+from . import config, paths
 from .pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
                           pod_resources)
 from .pod.hostns import host_namespaces_refusal
+from .pod.podfiles import PodFiles
 from .pod.sysctls import check_pod_sysctls
 from .pod.pod import Pod
 from .pod.slot import VM_GONE_STATUS, PodSlot
@@ -102,7 +103,8 @@ class SandboxService:
 
     async def CreateSandbox(self, req: api.CreateSandboxRequest,
                             ctx: Context) -> api.CreateSandboxResponse:
-        """Validate and plan from the PodSandboxConfig; nothing boots yet."""
+        """Validate and plan from the PodSandboxConfig, write the pod's /etc files;
+        nothing boots yet."""
         if not req.sandbox_id:
             raise TtrpcError(Code.INVALID_ARGUMENT, "create: the sandbox id is empty")
         if self.slot.pod is not None:
@@ -119,18 +121,29 @@ class SandboxService:
         if shared:
             raise host_namespaces_refusal(shared)
         check_pod_sysctls(pod_config.linux.sysctls, cfg)
+        try:
+            files = PodFiles.of(pod_config)
+        except OSError as exc:
+            raise TtrpcError(Code.FAILED_PRECONDITION, f"the pod has no DNS configuration "
+                                                       f"and the host's cannot be read: "
+                                                       f"{exc}") from None
         annotations = {**pod_config.annotations, **req.annotations}
         planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
                                                             host()))
         pod = Pod(self.namespace, req.sandbox_id, cfg, planner,
                   _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id),
                   req.netns_path)
+        try:
+            pod.files = files.write(paths.state_dir(self.namespace, req.sandbox_id))
+        except OSError as exc:
+            raise TtrpcError(Code.FAILED_PRECONDITION,
+                             f"cannot write the pod's /etc files: {exc}") from None
         pod.listen(self)
         self.slot.take(pod)
         self.slot.sandbox_api_owner = req.sandbox_id
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod
         self._overhead_bytes = max(0, pod_config.linux.overhead.memory_limit_in_bytes)
-        self._hostname = pod_config.hostname
+        self._hostname = files.hostname
         self._sysctls = dict(pod_config.linux.sysctls)
         return api.CreateSandboxResponse()
 

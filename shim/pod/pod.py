@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +29,7 @@ from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeEx
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
 from .hostns import HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation
+from .podfiles import with_mounts
 from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
@@ -75,6 +77,9 @@ class Pod:
         """How the VM ended, when it died under the pod."""
         self.placed: set[str] = set()
         """Containers in the guest whose cpuset follows the vCPUs' pinning."""
+        self.files: Mapping[str, str] = {}
+        """Files every container gets at a path its spec does not mount ({path in the
+        container: file on the host}): a Sandbox-API pod's /etc/hosts and the like."""
         self._listeners: list[PodListener] = []
         self._allocator = None
         self._applying = asyncio.Lock()
@@ -214,7 +219,8 @@ class Pod:
             except StaticRefusal:
                 await self.apply(container_id, None, quiet=True)  # no container: none kept
                 raise
-        guest = guestspec.rewrite(spec, container_id, self.guest_cpus(container_id))
+        guest = guestspec.rewrite(with_mounts(spec, self.files), container_id,
+                                  self.guest_cpus(container_id))
         for what in guest.dropped:
             log.info("container %s: left out %s", container_id, what)
         try:
