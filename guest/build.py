@@ -202,10 +202,7 @@ def module_paths(modroot: pathlib.Path, names: list[str],
         path = index.get(name)
         if path is None:
             raise SystemExit(f"kernel module {name} is neither built in nor shipped")
-        data = path.read_bytes()
-        at = data.find(b"depends=")
-        deps = data[at + 8:data.index(b"\0", at)].decode() if at >= 0 else ""
-        for dep in filter(None, deps.split(",")):
+        for dep in filter(None, ",".join(modinfo(path, "depends")).split(",")):
             visit(dep)
         ordered.append(path)
 
