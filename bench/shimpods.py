@@ -27,7 +27,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, TtrpcError, bind
 from shim.paths import STATE_ROOT
-from tests.e2e.taskshim import EventSink, busybox_rootfs, spec
+from tests.e2e.taskshim import EventSink, busybox_rootfs, join_netns, spec
 
 PREFIX = "podvm-bench-"
 TASK = "containerd.task.v2.Task"
@@ -132,10 +132,7 @@ class Pod:
         sandbox = spec(["sleep", "2147483647"])
         sandbox["annotations"] = dict(annotations, **{CRI + "sandbox-id": pod_id})
         sandbox["linux"]["cgroupsPath"] = f"{pod_cgroup}/{pod_id}"
-        if netns:
-            for ns in sandbox["linux"]["namespaces"]:
-                if ns["type"] == "network":
-                    ns["path"] = netns
+        join_netns(sandbox, netns)
         (bundle / "config.json").write_text(json.dumps(sandbox))
         (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
         pod = cls(run, pod_id, bundle)

@@ -57,6 +57,15 @@ def spec(args: list[str], terminal: bool = False, memory: int | None = None) -> 
     }
 
 
+def join_netns(spec: dict, netns: str) -> None:
+    """The spec's network namespace becomes `netns` (a path), as containerd's CRI writes
+    a sandbox's; "" keeps a namespace of its own."""
+    if netns:
+        for ns in spec["linux"]["namespaces"]:
+            if ns["type"] == "network":
+                ns["path"] = netns
+
+
 class Fifos:
     """containerd's side of a process's stdio."""
 
@@ -125,10 +134,7 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     sandbox_spec = spec(["sleep", "1000"])
     cgroups_path = cgroups_path or f"/podvm-tasktest-{uuid.uuid4().hex[:8]}/sb"
     sandbox_spec["linux"]["cgroupsPath"] = cgroups_path
-    if netns:
-        for ns in sandbox_spec["linux"]["namespaces"]:
-            if ns["type"] == "network":
-                ns["path"] = netns
+    join_netns(sandbox_spec, netns)
     (bundle / "config.json").write_text(json.dumps(sandbox_spec))
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
     started = run_shim(bundle, "sb", "start", grpc, namespace=NS,
