@@ -6,7 +6,7 @@ import os
 import re
 import struct
 
-from .netns import made_inside
+from .enter import made_inside
 
 TUNSETIFF = 0x400454CA
 IFF_TAP = 0x0002

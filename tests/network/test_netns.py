@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from shim.network.netns import made_inside
+from shim.network.enter import made_inside
 from shim.network.read import read_network
 from tests.network.conftest import Namespace
 
