@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from google.protobuf.empty_pb2 import Empty
 
@@ -16,6 +17,9 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 from . import containers, holder, network, oci, resources, runc
 from .containers import Container
 from .oom import OOMKills
+
+if TYPE_CHECKING:
+    from .portforward import PortForwards
 
 log = logging.getLogger("podvm.agent")
 
@@ -29,6 +33,8 @@ class AgentService:
         self._pod_namespaces: containers.Process | None = None
         """The holder of the pod's namespaces when no sandbox container does."""
         self._network = asyncio.Lock()
+        self._forwards: "PortForwards | None" = None
+        """Port forwards' connections, made at the first (the module loads then)."""
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -54,6 +60,32 @@ class AgentService:
         call at a time."""
         async with self._network:
             await network.configure(req)
+        return Empty()
+
+    def _port_forwards(self) -> "PortForwards":
+        if self._forwards is None:
+            from .portforward import PortForwards  # only when a pod forwards a port
+
+            self._forwards = PortForwards()
+        return self._forwards
+
+    async def OpenPortForward(self, req: pb.OpenPortForwardRequest,
+                              ctx: Context) -> pb.OpenPortForwardResponse:
+        stream_id, address = await self._port_forwards().open(req.port)
+        return pb.OpenPortForwardResponse(stream_id=stream_id, address=address)
+
+    async def ReadPortForward(self, req: pb.ReadPortForwardRequest,
+                              ctx: Context) -> pb.ReadStreamResponse:
+        return pb.ReadStreamResponse(
+            data=await self._port_forwards().read(req.stream_id, req.max_bytes))
+
+    async def WritePortForward(self, req: pb.WritePortForwardRequest,
+                               ctx: Context) -> pb.WriteStreamResponse:
+        return pb.WriteStreamResponse(
+            written=await self._port_forwards().write(req.stream_id, req.data))
+
+    async def ClosePortForward(self, req: pb.ClosePortForwardRequest, ctx: Context) -> Empty:
+        self._port_forwards().close(req.stream_id, req.write_only)
         return Empty()
 
     async def Ping(self, req: pb.PingRequest, ctx: Context) -> pb.PingResponse:
