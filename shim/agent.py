@@ -124,6 +124,25 @@ class Agent:
         await self._call("ResizeTty", pb.ResizeTtyRequest(
             container_id=container_id, exec_id=exec_id, width=width, height=height), Empty)
 
+    async def open_port_forward(self, port: int) -> int:
+        """A connection from the guest to `port` on the pod's loopback: its stream id.
+        UNAVAILABLE when nothing in the pod listens there."""
+        return (await self._call("OpenPortForward", pb.OpenPortForwardRequest(port=port),
+                                 pb.OpenPortForwardResponse, timeout=30)).stream_id
+
+    async def read_port_forward(self, stream_id: int, max_bytes: int = 65536) -> bytes:
+        """What the guest's side sent next; b"" once it has ended."""
+        return (await self._call("ReadPortForward", pb.ReadPortForwardRequest(
+            stream_id=stream_id, max_bytes=max_bytes), pb.ReadStreamResponse)).data
+
+    async def write_port_forward(self, stream_id: int, data: bytes) -> None:
+        await self._call("WritePortForward", pb.WritePortForwardRequest(
+            stream_id=stream_id, data=data), pb.WriteStreamResponse)
+
+    async def close_port_forward(self, stream_id: int, write_only: bool = False) -> None:
+        await self._call("ClosePortForward", pb.ClosePortForwardRequest(
+            stream_id=stream_id, write_only=write_only), Empty)
+
     async def online(self, cpus: int = 0, wait_memory_bytes: int = 0
                      ) -> pb.OnlineCPUMemResponse:
         """Bring hot-plugged memory online in the guest, and CPUs: exactly `cpus` of
