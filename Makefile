@@ -11,7 +11,8 @@ GUEST_BUILD := build/guest
 
 # Debian packages: the runtime's own needs, then what the tests add.
 # erofs-utils: the guest's root image is built where podvm is installed.
-RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils
+# iptables: the nat rule that brings CRI PortForward into the VM (shim/network/portforward.py).
+RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils iptables
 TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2
 
 STAMP := $(VENV)/.podvm-installed

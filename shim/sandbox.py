@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
@@ -28,6 +29,9 @@ from .network.model import TapNic
 from .podstate import PodState, VMReport, state_path
 from .processes import start_time
 from .resources import Host, PlanDelta, SandboxPlan
+
+if TYPE_CHECKING:
+    from .network.portforward import PortForwarder
 
 log = logging.getLogger("podvm.sandbox")
 
@@ -53,6 +57,7 @@ class Sandbox:
         self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan)
         """What is persisted in sandbox.json, replaced (and saved) by _record()."""
         self._watch: asyncio.Task | None = None
+        self._port_forwarder: "PortForwarder | None" = None
         self.vcpu_pins: list[frozenset[int]] = []
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
 
@@ -101,6 +106,8 @@ class Sandbox:
                 await self.agent.configure_network(network)
                 log.info("sandbox %s: guest network configured in %.2fs", self.id,
                          time.monotonic() - started)
+            if self.netns:
+                await self._forward_ports()
         except BaseException as exc:
             # QEMU dying after launch shows up as a broken agent or QMP call: say how
             # QEMU ended instead, in its own words.
@@ -126,6 +133,21 @@ class Sandbox:
                      itf.name, itf.mac, itf.mtu, ", ".join(map(str, itf.addresses)) or
                      "no address")
         return nics
+
+    async def _forward_ports(self) -> None:
+        """CRI PortForward into the VM (shim/network/portforward.py). A pod whose
+        namespace refuses it still runs: only `kubectl port-forward` to it fails, and
+        the log says why."""
+        from .network.portforward import PortForwarder  # only for a pod with a network
+
+        assert self.agent is not None
+        forwarder = PortForwarder(self.id, self.netns, self.agent)
+        try:
+            await forwarder.start()
+        except NetworkError as exc:
+            log.error("sandbox %s: no port forwarding: %s", self.id, exc)
+            return
+        self._port_forwarder = forwarder
 
     def record_vm(self, online_cpus: int, memory_total_bytes: int,
                   qemu_size: tuple[int, int] | None = None) -> None:
@@ -258,6 +280,9 @@ class Sandbox:
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
         directory itself (the daemon removes that last). Idempotent."""
+        if self._port_forwarder is not None:  # before the agent, which carries its bytes
+            forwarder, self._port_forwarder = self._port_forwarder, None
+            await forwarder.stop()
         if self.agent is not None:
             agent, self.agent = self.agent, None
             try:

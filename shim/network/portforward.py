@@ -61,10 +61,13 @@ def original_port(sock: socket.socket) -> int | None:
 
 
 async def _iptables(netns: str, op: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        "nsenter", f"--net={netns}", "iptables", "-w", "-t", "nat", op, *RULE,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "nsenter", f"--net={netns}", "iptables", "-w", "-t", "nat", op, *RULE,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+    except OSError as exc:  # no nsenter (util-linux)
+        return 127, f"nsenter: {exc.strerror or exc}"
     _, stderr = await proc.communicate()
     return proc.returncode or 0, stderr.decode(errors="replace").strip()
 
