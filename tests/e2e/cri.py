@@ -117,6 +117,54 @@ class Crictl:
         return self.run("pods", "-q", *flags).stdout.split()
 
 
+class PortForward:
+    """A running `crictl port-forward POD :PORT`: `local_port` is where it listens; its
+    stderr (where errors of forwarded connections go) is read with `errors()`."""
+
+    def __init__(self, crictl: "Crictl", pod_id: str, remote_port: int,
+                 workdir: pathlib.Path, timeout: float = 60) -> None:
+        self._stderr_path = workdir / f"port-forward-{pod_id[:12]}-{remote_port}.err"
+        argv = [*crictl.program, "--runtime-endpoint", crictl.endpoint, "--timeout",
+                crictl.timeout, "port-forward", pod_id, f":{remote_port}"]
+        with open(self._stderr_path, "wb") as err:
+            self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
+                                            cwd=REPO_ROOT, text=True)
+        self.local_port = self._listening(timeout)
+
+    def _listening(self, timeout: float) -> int:
+        import select
+
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        found = re.match(r"Forwarding from 127\.0\.0\.1:(\d+) -> \d+", line)
+        if not found:
+            self.close()
+            raise CrictlFailed(f"crictl port-forward did not start listening: {line!r}; "
+                               f"stderr: {self.errors()!r}")
+        return int(found.group(1))
+
+    def errors(self) -> str:
+        return self._stderr_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def __enter__(self) -> "PortForward":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def write_config(directory: pathlib.Path, name: str, config: dict) -> pathlib.Path:
     """A pod or container config as the JSON file crictl reads."""
     path = directory / name

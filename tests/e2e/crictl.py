@@ -8,7 +8,8 @@ crictl when $CRICTL names one, with the same arguments.
 Differences from crictl: `exec -s` exits with the command's own status and keeps its
 stdout and stderr apart (crictl exits 1 with "command ... exited with N" and prints both
 streams to stdout); `exec` without -s also uses ExecSync (no streaming client, so no
--i/-t); configs are JSON (YAML only when PyYAML is installed) and may also use camelCase
+-i/-t); `port-forward` speaks the streaming server's websocket protocol (crictl's:
+SPDY); configs are JSON (YAML only when PyYAML is installed) and may also use camelCase
 names and enum names (crictl's Go decoder takes snake_case names and numbers only); only
 JSON output for inspect* and info.
 """
@@ -379,6 +380,41 @@ def cmd_exec(c: CriClient, a: argparse.Namespace) -> None:
         raise ExitCode(r.exit_code)
 
 
+def cmd_port_forward(c: CriClient, a: argparse.Namespace) -> None:
+    """Listen on a local port and forward each connection to the pod's port, through
+    the runtime's streaming server (tests/e2e/portforward.py), until interrupted."""
+    import asyncio
+    import signal
+
+    from . import portforward
+
+    local, remote = portforward.parse_ports(a.ports)
+
+    def url() -> str:
+        return c.runtime("PortForward", cri.PortForwardRequest(pod_sandbox_id=a.pod,
+                                                               port=[remote])).url
+
+    try:
+        url()  # a pod that cannot forward is refused before anything listens
+    except CriError as exc:
+        raise Fatal(f"port forward: {exc}") from None
+
+    async def run() -> None:
+        task = asyncio.ensure_future(portforward.forward(
+            lambda: asyncio.to_thread(url), local, remote))
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        raise Fatal(f"port forward: listen on 127.0.0.1:{local}: {exc.strerror}") from None
+
+
 def cmd_inspect(c: CriClient, a: argparse.Namespace) -> None:
     for ident in a.ids:
         try:
@@ -685,6 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-t", "--tty", action="store_true", help="not supported")
     s.add_argument("container", metavar="ID")
     s.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD")
+    s = cmd("port-forward", cmd_port_forward, "forward a local port to a pod's port")
+    s.add_argument("pod", metavar="POD-ID")
+    s.add_argument("ports", metavar="[LOCAL_PORT:]REMOTE_PORT")
     s = cmd("logs", cmd_logs, "print a container's log")
     s.add_argument("--tail", type=int, help="only the last N lines")
     s.add_argument("-t", "--timestamps", action="store_true", help="show timestamps")
