@@ -87,3 +87,19 @@ def test_port_forward_to_a_port_nobody_listens_on_fails_at_once(crictl, web_pod,
         # the forward still serves the port that answers once the pod listens: a
         # failed connection does not end it
         assert forward.process.poll() is None
+
+
+def test_stopping_the_pod_ends_an_open_forward(crictl, web_pod, configs) -> None:  # noqa: F811
+    """Last: it stops the module's pod. A connection the pod's server still holds open
+    (half a request) ends when the pod stops, and the stop does not wait on it."""
+    with PortForward(crictl, web_pod["id"], PORT, configs) as forward:
+        with socket.create_connection(("127.0.0.1", forward.local_port), timeout=60) as sock:
+            sock.sendall(b"GET /index.html HTTP/1.0\r\n")  # no blank line: httpd waits
+            time.sleep(2)  # the forward reaches the guest
+            started = time.monotonic()
+            crictl.run("stopp", web_pod["id"])
+            try:
+                assert sock.recv(65536) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - started < 60
