@@ -112,7 +112,7 @@ class PortForwarder:
         self.sandbox_id = sandbox_id
         self.netns = netns
         self.guest = guest
-        self._server: asyncio.base_events.Server | None = None
+        self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()
 
     async def start(self) -> None:

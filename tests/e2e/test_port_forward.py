@@ -13,10 +13,9 @@ import time
 
 import pytest
 
-from .cri import PortForward
+from .cri import PortForward, write_config
 from .test_crictl import container_config, pod_config
 from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
-from .cri import write_config
 
 PAGE = "forwarded from the VM pod"
 PORT = 8080
