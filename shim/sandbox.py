@@ -75,9 +75,12 @@ class Sandbox:
         q = self.config.qemu
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
+        # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
+        static = self.config.runtime.static_sandbox_resource_mgmt
         spec = VMSpec(
             sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
-            vcpus=self.plan.vcpus, max_vcpus=self.plan.max_vcpus,
+            vcpus=self.plan.vcpus,
+            max_vcpus=self.plan.vcpus if static else self.plan.max_vcpus,
             memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
             hypervisor=q, config_source=self.config.source)
         vm = QemuVM(spec)
