@@ -68,12 +68,13 @@ class Config:
     source: str = "(built-in defaults)"
 
 
-# QEMU's RSS beyond guest RAM, measured on an idle pod (bench/density.py): TCG 192 MiB
-# (64 MiB translation cache, 60 MiB of vmlinux and up to 34 MiB of the root image mapped
-# from the host's page cache, shared by all pods, QEMU itself), plus the shim (27 MiB)
-# when it lives in the sandbox cgroup, rounded up. KVM has no translation cache (64 MiB
-# less), but cannot be measured on these machines: it keeps its earlier figure.
-MEASURED_OVERHEAD_MIB = {"tcg": 224, "kvm": 192}
+# QEMU's RSS beyond guest RAM, measured on an idle pod (bench/density.py): TCG 160 MiB
+# (32 MiB translation cache, 22 MiB of its own heap and arenas, 60 MiB of vmlinux and up
+# to 34 MiB of the root image mapped from the host's page cache, shared by all pods, QEMU
+# itself), plus the shim (28 MiB) when it lives in the sandbox cgroup, rounded up. KVM
+# has no translation cache, but cannot be measured on these machines: it keeps its
+# earlier figure.
+MEASURED_OVERHEAD_MIB = {"tcg": 192, "kvm": 192}
 
 # section in the file -> attribute of Config
 _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
