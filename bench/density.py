@@ -2,7 +2,8 @@
 the CRI on a private containerd, then, per pod and as medians, the memory charged to its
 sandbox cgroup, QEMU's RSS split into anonymous and file pages, the shim's RSS, the CPU
 the idle pod burns (its sandbox cgroup, percent of one CPU over the window), and the
-runp-to-ready time of the last pod.
+runp-to-ready time of the last pod. QEMU's anonymous memory is split (from its smaps)
+into the guest's RAM, the TCG translation cache and the rest (malloc arenas, heap).
 
 Target (issue 15): an idle default pod <= 160 MiB charged to its sandbox cgroup under TCG,
 runp to ready <= 3 s.
@@ -42,6 +43,8 @@ class PodFigures:
     charged_mib: float = 0.0
     qemu_anon_mib: float = 0.0
     qemu_file_mib: float = 0.0
+    guest_ram_mib: float = 0.0
+    tcg_cache_mib: float = 0.0
     shim_rss_mib: float = 0.0
     idle_cpu_pct: float = 0.0
 
@@ -51,6 +54,24 @@ def status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(f"no {field} in /proc/{pid}/status")
+
+
+def anon_split_kib(pid: int, ram_mib: int = 256) -> tuple[int, int]:
+    """Anonymous KiB of the guest RAM (the private mapping as big as the VM's memory)
+    and of the TCG translation cache (QEMU's anonymous executable mappings)."""
+    ram = tcg = 0
+    size = perms = name = None
+    for line in pathlib.Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode [name]
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            size, perms, name = high - low, fields[1], fields[5:]
+        elif fields[0] == "Anonymous:" and not name:
+            if "x" in perms:
+                tcg += int(fields[1])
+            elif size == ram_mib * MIB:
+                ram += int(fields[1])
+    return ram, tcg
 
 
 def sandbox_cgroups(pid: int) -> dict[str, str]:
@@ -111,6 +132,8 @@ def measure(pods: list[PodFigures], pids: dict[str, tuple[int, int]], window: fl
         pod.charged_mib = charged_bytes(g) / MIB
         pod.qemu_anon_mib = status_kib(qemu, "RssAnon") / 1024
         pod.qemu_file_mib = (status_kib(qemu, "RssFile") + status_kib(qemu, "RssShmem")) / 1024
+        ram, tcg = anon_split_kib(qemu)
+        pod.guest_ram_mib, pod.tcg_cache_mib = ram / 1024, tcg / 1024
         pod.shim_rss_mib = status_kib(shim, "VmRSS") / 1024
 
 
@@ -157,6 +180,7 @@ def main() -> int:
 
 
 COLUMNS = (("charged MiB", "charged_mib"), ("QEMU anon MiB", "qemu_anon_mib"),
+           ("  guest RAM", "guest_ram_mib"), ("  TCG cache", "tcg_cache_mib"),
            ("QEMU file MiB", "qemu_file_mib"), ("shim RSS MiB", "shim_rss_mib"),
            ("idle CPU %", "idle_cpu_pct"), ("ready s", "ready_s"))
 
