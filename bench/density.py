@@ -47,6 +47,13 @@ class PodFigures:
     tcg_cache_mib: float = 0.0
     shim_rss_mib: float = 0.0
     idle_cpu_pct: float = 0.0
+    qemu_cpu_pct: float = 0.0
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a whole process (all its threads), seconds."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -122,6 +129,7 @@ def status_meminfo(field: str) -> int:
 def measure(pods: list[PodFigures], pids: dict[str, tuple[int, int]], window: float) -> None:
     groups = {name: sandbox_cgroups(qemu) for name, (qemu, _) in pids.items()}
     before = {name: cpu_usec(g) for name, g in groups.items()}
+    qemu_before = {name: process_cpu_s(qemu) for name, (qemu, _) in pids.items()}
     started = time.monotonic()
     time.sleep(window)
     spent = time.monotonic() - started
@@ -129,6 +137,7 @@ def measure(pods: list[PodFigures], pids: dict[str, tuple[int, int]], window: fl
         qemu, shim = pids[pod.name]
         g = groups[pod.name]
         pod.idle_cpu_pct = (cpu_usec(g) - before[pod.name]) / (spent * 1e6) * 100
+        pod.qemu_cpu_pct = (process_cpu_s(qemu) - qemu_before[pod.name]) / spent * 100
         pod.charged_mib = charged_bytes(g) / MIB
         pod.qemu_anon_mib = status_kib(qemu, "RssAnon") / 1024
         pod.qemu_file_mib = (status_kib(qemu, "RssFile") + status_kib(qemu, "RssShmem")) / 1024
@@ -182,7 +191,8 @@ def main() -> int:
 COLUMNS = (("charged MiB", "charged_mib"), ("QEMU anon MiB", "qemu_anon_mib"),
            ("  guest RAM", "guest_ram_mib"), ("  TCG cache", "tcg_cache_mib"),
            ("QEMU file MiB", "qemu_file_mib"), ("shim RSS MiB", "shim_rss_mib"),
-           ("idle CPU %", "idle_cpu_pct"), ("ready s", "ready_s"))
+           ("idle CPU %", "idle_cpu_pct"), ("  of it QEMU", "qemu_cpu_pct"),
+           ("ready s", "ready_s"))
 
 
 def report(pods: list[PodFigures], args: argparse.Namespace) -> None:
