@@ -32,6 +32,9 @@ log = logging.getLogger("podvm.shim")
 SOCKET_FD = 3
 TASK_SERVICES = ("containerd.task.v2.Task", "containerd.task.v3.Task")
 SANDBOX_SERVICE = "containerd.runtime.sandbox.v1.Sandbox"
+HANGUP_GRACE = 1.0
+"""Seconds the exiting daemon leaves containerd to hang up first, so that the answer to
+its Shutdown or ShutdownSandbox is read as an answer (podvm_core/ttrpc/server.py)."""
 
 
 def serve(flags: Flags, sock: socket.socket | None = None) -> int:
@@ -79,7 +82,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     started = time.monotonic()
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)
-    await server.close()
+    await server.close(grace=HANGUP_GRACE)
     await tasks.close()
     await publisher.close()
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)

@@ -71,10 +71,20 @@ class Server:
         until it ends."""
         await self._serve_connection(reader, writer)
 
-    async def close(self) -> None:
-        """Stop accepting and drop every connection; outstanding calls get no answer."""
+    async def close(self, grace: float = 0.0) -> None:
+        """Stop accepting, give the peers up to `grace` seconds to hang up themselves, then
+        drop every connection; outstanding calls get no answer.
+
+        The grace is for an answer just written, such as Shutdown's: a Go ttrpc client
+        whose connection closes right after an answer arrived may fail that call with
+        "ttrpc: closed" (its receive loop hands the answer over on a channel, and a
+        select between it and the close picks either), and containerd 2.x does not
+        forgive that for ShutdownSandbox. Go shims linger the same way (ttrpc's
+        Server.Shutdown closes idle connections on a poll)."""
         if self._server is not None:
             self._server.close()
+        if grace > 0 and self._connections:
+            await asyncio.wait(list(self._connections), timeout=grace)
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)

@@ -120,6 +120,32 @@ async def test_server_close_fails_outstanding_calls(server, socket_path: str) ->
     await c.close()
 
 
+async def test_close_with_grace_waits_for_the_peer_to_hang_up(server, socket_path: str) -> None:
+    """The connection that just got an answer stays open until its client hangs up (a Go
+    client may otherwise read the answer as "ttrpc: closed"), and no longer."""
+    c = await Client.connect(socket_path)
+    await c.call(SERVICE, "State", task.StateRequest(id="last"), task.StateResponse)
+    closing = asyncio.create_task(server.close(grace=10))
+    await asyncio.sleep(0.2)
+    assert not closing.done()
+    assert not c.closed
+    t0 = asyncio.get_running_loop().time()
+    await c.close()
+    await asyncio.wait_for(closing, 5)
+    assert asyncio.get_running_loop().time() - t0 < 2
+
+
+async def test_close_with_grace_drops_a_peer_that_stays(server, socket_path: str) -> None:
+    c = await Client.connect(socket_path)
+    await c.call(SERVICE, "State", task.StateRequest(id="last"), task.StateResponse)
+    t0 = asyncio.get_running_loop().time()
+    await server.close(grace=0.3)
+    assert 0.25 < asyncio.get_running_loop().time() - t0 < 3
+    with pytest.raises(ConnectionClosed):
+        await c.call(SERVICE, "State", task.StateRequest(id="late"), task.StateResponse)
+    await c.close()
+
+
 async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None:
     """A handler's own typed error (here: the VM died) reaches containerd with the one
     code shim/errors.py gives it, not UNKNOWN, and the connection stays usable."""
