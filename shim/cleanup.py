@@ -1,6 +1,10 @@
 """Removing what a shim made, from persisted state alone (the daemon may be dead): its
 socket, its VM (found by the QMP socket on QEMU's command line), mounts and cgroups (from
-sandbox.json), its state directory."""
+sandbox.json), its state directory.
+
+The pod's mounts are in its own mount namespace (shim/mountns.py), which lives as long as
+a process of the pod does: `delete` unmounts inside it through the daemon or QEMU while
+one lives; once none does, nothing is left to unmount."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +15,7 @@ import psutil
 
 import cgroups
 
-from . import paths, shimstate
+from . import mountns, paths, shimstate
 from .mounts import mounts_under, unmount, unmount_all
 from .network import remote
 from .network.errors import NetworkError
@@ -39,17 +43,63 @@ def remove_shim_state(namespace: str, group: str, address: str | None) -> None:
 
 def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     group = paths.group_id(paths.read_spec(bundle), container_id)
-    if group != container_id:  # a workload container: its own mounts only
-        unmount_all(os.path.join(paths.state_dir(namespace, group), "shared", container_id))
-        unmount(os.path.join(bundle, "rootfs"))
-        return
     state = shimstate.read(namespace, group) or {}
     pid = state.get("pid")
-    if isinstance(pid, int) and is_our_shim(pid):
-        log.info("killing shim daemon %d of sandbox %s", pid, group)
-        kill_and_wait(pid)
+    daemon = pid if isinstance(pid, int) and is_our_shim(pid) else None
+    if group != container_id:  # a workload container: its own mounts only
+        state_dir = paths.state_dir(namespace, group)
+        holder = namespace_holder([daemon] if daemon else [], _qemus_of_state_dir(state_dir))
+        unmount_in_pod([os.path.join(state_dir, "shared", container_id),
+                        os.path.join(bundle, "rootfs")], holder, group)
+        return
+    if daemon is not None:
+        log.info("killing shim daemon %d of sandbox %s", daemon, group)
+        kill_and_wait(daemon)
     remove_shim_state(namespace, group, state.get("address"))
-    unmount(os.path.join(bundle, "rootfs"))
+    unmount(os.path.join(bundle, "rootfs"))  # made in the host's namespace by an older podvm
+
+
+def namespace_holder(*pids: list[int]) -> int | None:
+    """The first of `pids` (the pod's daemon, its QEMU) alive in a mount namespace other
+    than this process's: the pod's, where its mounts are (None: no such process is left,
+    and the namespace went with them, or this process is in it)."""
+    mine = mountns.namespace_of("self")
+    for pid in (p for group in pids for p in group):
+        ns = mountns.namespace_of(pid)
+        if ns is not None and ns != mine and start_time(pid) is not None:
+            return pid
+    return None
+
+
+def unmount_in_pod(points: list[str], holder: int | None, sandbox: str) -> int:
+    """Everything mounted at or below `points`: in the pod's mount namespace through the
+    live process `holder`, then in this one (where a podvm before the pod's own namespace
+    made them); how many mounts."""
+    count = 0
+    if holder is not None:
+        count = mountns.in_namespace(f"/proc/{holder}/ns/mnt", _unmount_each, points)
+        log.info("sandbox %s: %d mounts under %s unmounted in the pod's mount namespace "
+                 "(pid %d's)", sandbox, count, ", ".join(points), holder)
+    here = _unmount_each(points)
+    if here or holder is None:
+        log.info("sandbox %s: %d mounts under %s unmounted in this process's mount namespace"
+                 "%s", sandbox, here, ", ".join(points),
+                 "" if holder is not None else
+                 " (no other process of the pod holds one: its namespace, if it had its "
+                 "own, went with its mounts)")
+    return count + here
+
+
+def _unmount_each(points: list[str]) -> int:
+    return sum(unmount_all(p) for p in points)
+
+
+def _qemus_of_state_dir(state_dir: str) -> list[int]:
+    try:
+        state = PodState.load(state_path(state_dir))
+    except (FileNotFoundError, PodStateError):
+        return qemus_of(state_dir + "/")
+    return qemus_of(state.qmp_socket or state_dir + "/")
 
 
 def cleanup_from_state(state_dir: str) -> None:
@@ -69,16 +119,19 @@ def cleanup_from_state(state_dir: str) -> None:
     if state is not None and state.qemu_start_time is not None and \
             start_time(state.qemu_pid) == state.qemu_start_time:  # still the QEMU it was
         qemus.add(state.qemu_pid)
+    sandbox = os.path.basename(state_dir)
     for pid in sorted(qemus):
-        log.info("killing QEMU %d of sandbox %s", pid, os.path.basename(state_dir))
+        log.info("killing QEMU %d of sandbox %s", pid, sandbox)
         kill_and_wait(pid)
-    unmount_all(state_dir)
+    # A QEMU that would not die still holds the pod's mount namespace (the daemon, when
+    # it runs this, is in that namespace itself).
+    holder = namespace_holder(sorted(qemus))
+    unmount_in_pod([state_dir, *(state.rootfs.values() if state is not None else ())],
+                   holder, sandbox)
     if unreadable is not None:
         raise unreadable
     if state is None:
         return
-    for bundle_rootfs in state.rootfs.values():
-        unmount(bundle_rootfs)
     failed = None
     if state.netns:
         try:

@@ -35,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     from .manager import delete, start
 
     if flags.action == "start":
-        code = start(flags, run_daemon)
+        from .mountns import MountNamespaceError
+
+        try:
+            code = start(flags, run_daemon)
+        except MountNamespaceError as exc:
+            sys.stderr.write(f"containerd-shim-podvm-v2: {exc}\n")
+            code = 1
         # containerd waits for `start` to exit while the daemon it forked starts on the
         # same CPUs: leave without tearing the interpreter down (about 5 ms); nothing but
         # stdio is left to flush.

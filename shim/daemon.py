@@ -77,8 +77,8 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     # what starting made, which lives as long as the daemon.
     gc.freeze()
     gc.enable()
-    log.info("serving %s and %s on %s (pid %d)", "/".join(TASK_SERVICES), SANDBOX_SERVICE,
-             flags.socket, os.getpid())
+    log.info("serving %s and %s on %s (pid %d, mount namespace %s)", "/".join(TASK_SERVICES),
+             SANDBOX_SERVICE, flags.socket, os.getpid(), os.readlink("/proc/self/ns/mnt"))
     started = time.monotonic()
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)

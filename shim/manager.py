@@ -80,8 +80,14 @@ def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
     """The daemon: a fork of this process, so that it starts with the interpreter and
     what `start` imported already loaded (containerd connects as soon as `start` returns:
     a fresh interpreter would answer tens of ms later). Own session and process group,
-    not holding containerd's pipes (stdio is /dev/null until it opens the log FIFO)."""
+    not holding containerd's pipes (stdio is /dev/null until it opens the log FIFO). In
+    the pod's own mount namespace (shim/mountns.py), which `start` makes and the daemon
+    inherits: made here, its failure is `start`'s, which containerd reports."""
     daemon_flags = flags._replace(bundle=flags.bundle_dir, socket=address, action="serve")
+    # Here, not at the top: only a `start` that forks a daemon needs it (ctypes).
+    from .mountns import unshare_for_pod
+
+    unshare_for_pod()
     pid = os.fork()
     if pid:
         return pid

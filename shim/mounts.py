@@ -18,6 +18,13 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
+_SYS_OPEN_TREE = 428  # the same number on every architecture (syscalls added since 5.1)
+_SYS_MOVE_MOUNT = 429
+_AT_FDCWD = -100
+_AT_RECURSIVE = 0x8000
+_OPEN_TREE_CLONE = 0x1
+_OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
           "bind": MS_BIND, "rbind": MS_BIND | MS_REC}
@@ -37,6 +44,7 @@ def _c():
         libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
                                ctypes.c_ulong, ctypes.c_char_p]
         libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.syscall.restype = ctypes.c_long
         _libc = libc
     return _libc
 
@@ -74,15 +82,56 @@ def mount(m: Mount, target: str) -> None:
 
 
 def bind(source: str, target: str, readonly: bool = False) -> None:
-    """Bind `source` (file or directory) onto `target`, creating the target as needed."""
-    if os.path.isdir(source):
+    """Bind `source` (file or directory) onto `target`, creating the target as needed.
+    In the pod's own mount namespace, `source` is the host's: its whole tree as the host
+    sees it now, mounts made after the pod started included (they reach the pod's
+    namespace by themselves only where the host's mounts are shared)."""
+    from . import mountns  # here: the idle daemon has no use for it
+
+    host = mountns.host_namespace_fd()
+    if host is None:
+        _make_target(os.path.isdir(source), target)
+        mount(Mount("bind", source, ("rbind",)), target)
+    else:
+        own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            mountns.in_namespace(host, _clone_into, source, own, target)
+        finally:
+            os.close(own)
+    if readonly:  # a bind is made read-only by a remount (of its top only)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, "")
+    _mount(None, target, None, MS_PRIVATE | MS_REC, "")
+
+
+def _make_target(directory: bool, target: str) -> None:
+    if directory:
         os.makedirs(target, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if not os.path.exists(target):
             open(target, "a").close()
-    mount(Mount("bind", source, ("rbind", "ro") if readonly else ("rbind",)), target)
-    _mount(None, target, None, MS_PRIVATE | MS_REC, "")
+
+
+def _clone_into(source: str, own_ns: int, target: str) -> None:
+    """Run in the host's mount namespace by a helper of the daemon: a detached copy of
+    `source`'s tree (open_tree), attached at `target` in the namespace `own_ns`."""
+    from . import mountns
+
+    libc = _c()
+    tree = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source),
+                        _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_RECURSIVE)
+    if tree < 0:
+        err = _errno()
+        raise OSError(err, f"bind {source}: open_tree: {os.strerror(err)}")
+    directory = os.path.isdir(f"/proc/self/fd/{tree}")
+    if libc.setns(own_ns, mountns.CLONE_NEWNS) != 0:
+        err = _errno()
+        raise OSError(err, f"bind {source}: back into the pod's namespace: {os.strerror(err)}")
+    _make_target(directory, target)
+    if libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target),
+                    _MOVE_MOUNT_F_EMPTY_PATH) != 0:
+        err = _errno()
+        raise OSError(err, f"bind {source} on {target}: move_mount: {os.strerror(err)}")
 
 
 def unmount(path: str) -> bool:

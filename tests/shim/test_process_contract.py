@@ -35,6 +35,12 @@ def started(tmp_path, grpc_address):
     run_shim(bundle, "sb1", "delete", grpc_address)
 
 
+def mount_points(pid: int) -> set[str]:
+    """What is mounted in the mount namespace of `pid` (the daemon's: the pod's)."""
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
 async def wait_gone(pid: int, timeout: float = 5) -> None:
     deadline = time.monotonic() + timeout
     while alive(pid) and time.monotonic() < deadline:
@@ -62,9 +68,20 @@ def test_daemon_holds_nothing_of_start_but_its_socket(started) -> None:
     pid = daemon_pid(NS, "sb1")
     links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     assert not [link for link in links if link.startswith("pipe:")], links
-    # A module file may be open for a moment: the daemon imports as it comes up.
-    assert all(link == "/dev/null" or link.startswith(("socket:", "anon_inode:"))
+    # A module file may be open for a moment: the daemon imports as it comes up. The
+    # host's mount namespace stays open: the daemon's binds clone host paths there.
+    host_ns = os.readlink("/proc/self/ns/mnt")
+    assert all(link in ("/dev/null", host_ns) or link.startswith(("socket:", "anon_inode:"))
                or link.endswith((".py", ".pyc", ".so")) for link in links), links
+
+
+def test_the_daemon_has_a_mount_namespace_of_its_own(started) -> None:
+    """Its mounts (rootfs, binds into the shared directory) are never mountpoints in the
+    host's namespace, where they would make rmdir of a volume's submount fail (EBUSY);
+    the host's are there."""
+    pid = daemon_pid(NS, "sb1")
+    assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    assert {"/", "/proc", "/sys"} <= mount_points(pid)
 
 
 def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -> None:
@@ -151,7 +168,7 @@ async def test_create_answers_clearly(started, tmp_path) -> None:
         with pytest.raises(TtrpcError) as err:
             await c.call(TASK, "State", api.StateRequest(id="sb1"), api.StateResponse)
         assert err.value.code == Code.NOT_FOUND
-    assert not os.path.ismount(bundle / "rootfs")
+    assert str(bundle / "rootfs") not in mount_points(daemon_pid(NS, "sb1"))
 
 
 async def test_shutdown_exits_and_cleans_up(started) -> None:
