@@ -81,14 +81,15 @@ def mount(m: Mount, target: str) -> None:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, "")
 
 
-def bind(source: str, target: str, readonly: bool = False) -> None:
+def bind(source: str, target: str, readonly: bool = False, from_host: bool = True) -> None:
     """Bind `source` (file or directory) onto `target`, creating the target as needed.
-    In the pod's own mount namespace, `source` is the host's: its whole tree as the host
-    sees it now, mounts made after the pod started included (they reach the pod's
-    namespace by themselves only where the host's mounts are shared)."""
+    In the pod's own mount namespace, `source` is the host's (unless not `from_host`:
+    what the shim mounted itself, e.g. a rootfs): its whole tree as the host sees it
+    now, mounts made after the pod started included (they reach the pod's namespace by
+    themselves only where the host's mounts are shared)."""
     from . import mountns  # here: the idle daemon has no use for it
 
-    host = mountns.host_namespace_fd()
+    host = mountns.host_namespace_fd() if from_host else None
     if host is None:
         _make_target(os.path.isdir(source), target)
         mount(Mount("bind", source, ("rbind",)), target)
@@ -172,7 +173,21 @@ def mounts_under(path: str) -> list[str]:
 
 def submounts(path: str) -> list[Submount]:
     """What is mounted strictly below the directory `path` (none when it is no
-    directory), shallowest first, each with its own flags (the top one of a stack)."""
+    directory), shallowest first, each with its own flags (the top one of a stack); as
+    the host sees it (what `bind` clones), also from the pod's own mount namespace."""
+    from . import mountns  # here: the idle daemon has no use for it
+
+    host = mountns.host_namespace_fd()
+    if host is None:
+        return _submounts_here(path)
+    return [Submount(p, tuple(o)) for p, o in mountns.in_namespace(host, _submount_pairs, path)]
+
+
+def _submount_pairs(path: str) -> list[tuple[str, tuple[str, ...]]]:
+    return [(s.path, s.options) for s in _submounts_here(path)]
+
+
+def _submounts_here(path: str) -> list[Submount]:
     if not os.path.isdir(path):
         return []
     prefix = os.path.realpath(path).rstrip("/") + "/"

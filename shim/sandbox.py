@@ -262,8 +262,10 @@ class Sandbox:
                 if len(rootfs) != 1:
                     raise ValueError(f"{len(rootfs)} rootfs mounts; podvm takes exactly one")
                 mounts.mount(rootfs[0], os.path.join(bundle, "rootfs"))
+            # the rootfs this shim mounted is in the pod's mount namespace only
             mounts.bind(os.path.join(bundle, "rootfs"),
-                        os.path.join(self.shared_dir, guestspec.rootfs_path(container_id)))
+                        os.path.join(self.shared_dir, guestspec.rootfs_path(container_id)),
+                        from_host=not rootfs)
             for b in binds:
                 mounts.bind(b.source, os.path.join(self.shared_dir, b.target), b.readonly)
         except BaseException:

@@ -310,11 +310,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def mounts_under(path: pathlib.Path) -> list[str]:
+def mounts_under(path: pathlib.Path, pid: int | str = "self") -> list[str]:
+    """Mount points at or below `path` in the mount namespace of `pid` (default: ours,
+    the host's; a pod's shim and QEMU have their own, where the pod's mounts are)."""
     prefix = str(path)
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+    except OSError:  # gone
+        return []
     return [p for p in points if p == prefix or p.startswith(prefix + "/")]
+
+
+def mount_namespace(pid: int | str = "self") -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def in_mount_namespace(namespace: str) -> list[int]:
+    """Every process in the mount namespace `namespace` (`mnt:[inode]`): while one is,
+    the namespace and the mounts in it live."""
+    return [int(p) for p in os.listdir("/proc")
+            if p.isdigit() and mount_namespace(p) == namespace]
 
 
 def _processes(marker: bytes) -> list[tuple[int, str]]:

@@ -10,13 +10,15 @@ crictl too: CRICTL=/path/to/crictl."""
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 
 import pytest
 
-from shim import mounts
+from shim import mounts, paths
 from tests.conftest import require_root
 
+from .containerd import mounts_under, shims_of
 from .cri import CrictlFailed, write_config
 from .test_crictl import container_config, pod_config
 from .test_podvm_pods import (configs, crictl, ctd, nothing_of_failed_pods_left,  # noqa: F401
@@ -107,6 +109,48 @@ def test_a_read_only_volume_keeps_its_submounts_writable(ctd, crictl, configs,
         assert (volume / "cache" / "note").read_text() == "from-the-pod\n"
         assert (volume / "top").read_text() == "top\n"
     finally:
+        remove_pod(crictl, pod_id)
+
+
+def test_a_volume_s_submount_goes_while_the_pod_runs(ctd, crictl, configs,
+                                                    tmp_path: pathlib.Path) -> None:
+    """critest's read-only mount specs, cleanup included: a tmpfs mounted at
+    HOSTPATH/tmpfs after the pod started, HOSTPATH a read-only volume; while the container
+    runs, `umount -l` of the tmpfs and removing HOSTPATH succeed (the shim's binds are in
+    the pod's own mount namespace, not mountpoints of the host's: EBUSY before)."""
+    require_root()
+    pod_file = write_config(configs, "pod-rro-cleanup.json",
+                            pod_config(ctd, configs, "rro-cleanup"))
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    try:
+        host_path = tmp_path / "hostpath"
+        (host_path / "tmpfs").mkdir(parents=True)
+        (host_path / "top").write_text("top\n")
+        mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), str(host_path / "tmpfs"))
+        (host_path / "tmpfs" / "note").write_text("in the tmpfs\n")
+        container = dict(container_config("rro-cleanup", "exec sleep 1000"),
+                         mounts=[{"container_path": "/mnt", "host_path": str(host_path),
+                                  "readonly": True}])
+        cid = crictl.create(pod_id, write_config(configs, "rro-cleanup-c.json", container),
+                            pod_file)
+        crictl.start(cid)
+        seen = crictl.exec(cid, "sh", "-c", "cat /mnt/top /mnt/tmpfs/note && "
+                           "touch /mnt/tmpfs/file && ! touch /mnt/file")
+        assert seen.exit_code == 0, seen
+        assert seen.stdout == "top\nin the tmpfs\n", seen
+        assert "Read-only file system" in seen.stderr, seen
+        assert (host_path / "tmpfs" / "file").exists()
+        # the pod's binds of it are in its shim's mount namespace, not the host's
+        shim = [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd]
+        assert len(shim) == 1, shim
+        assert [m for m in mounts_under(paths.STATE_ROOT, shim[0]) if cid in m]
+        assert not [m for m in mounts_under(paths.STATE_ROOT) if pod_id in m]
+        assert mounts.unmount(str(host_path / "tmpfs"))  # umount(MNT_DETACH), as critest
+        shutil.rmtree(host_path)  # os.RemoveAll: "device or resource busy" before
+        assert not host_path.exists()
+        assert crictl.inspect(cid)["status"]["state"] == "CONTAINER_RUNNING"
+    finally:
+        mounts.unmount_all(str(tmp_path))
         remove_pod(crictl, pod_id)
 
 

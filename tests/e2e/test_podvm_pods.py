@@ -19,7 +19,8 @@ from shim import paths
 from tests.conftest import require_root, require_tool
 from tests.vmconfig import GUEST, guest_image, write_test_config
 
-from .containerd import CRI_NAMESPACE, Containerd, mounts_under, shims_of
+from .containerd import (CRI_NAMESPACE, Containerd, in_mount_namespace, mount_namespace,
+                         mounts_under, shims_of)
 from .cri import Crictl, write_config
 from .test_crictl import container_config, pod_config, wait_for
 
@@ -54,12 +55,27 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def pod_processes(ctd: Containerd, pod_id: str) -> list[int]:
+    """The pod's shim daemon and QEMU."""
+    return [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd] + pod_qemus(pod_id)
+
+
+def pod_mount_namespaces(ctd: Containerd, pod_id: str) -> set[str]:
+    """The mount namespaces of the pod's processes other than the host's."""
+    return {ns for ns in map(mount_namespace, pod_processes(ctd, pod_id))
+            if ns is not None and ns != mount_namespace()}
+
+
 def podvm_leftovers(ctd: Containerd, pod_id: str) -> list[str]:
     found = [f"shim {cmd}" for _, cmd in shims_of(ctd.address) if pod_id in cmd]
     found += [f"qemu {pid}" for pid in pod_qemus(pod_id)]
-    found += [f"mount {m}" for m in mounts_under(ctd.workdir) if pod_id in m]
-    found += [f"mount {m}" for m in mounts_under(pathlib.Path(paths.STATE_ROOT))
-              if pod_id in m]
+    # the host's namespace (a podvm before the pod's own namespace mounted there), and
+    # the pod's, seen through its processes
+    for pid in ("self", *pod_processes(ctd, pod_id)):
+        where = "" if pid == "self" else f" in pid {pid}'s mount namespace"
+        found += [f"mount {m}{where}" for m in mounts_under(ctd.workdir, pid) if pod_id in m]
+        found += [f"mount {m}{where}" for m in
+                  mounts_under(pathlib.Path(paths.STATE_ROOT), pid) if pod_id in m]
     state = paths.state_dir(CRI_NAMESPACE, pod_id)
     if os.path.exists(state):
         found.append(f"state {state}")
@@ -206,11 +222,19 @@ def test_stopping_a_container_that_has_just_exited_succeeds(crictl, configs, pod
 
 def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
     pod_id, pod_file = runp(crictl, ctd, configs, "vm-gone")
-    start_container(crictl, configs, pod_id, pod_file, "gone", "sleep 1000")
-    assert podvm_leftovers(ctd, pod_id) != []  # it is all there while the pod runs
+    cid = start_container(crictl, configs, pod_id, pod_file, "gone", "sleep 1000")
+    # it is all there while the pod runs: its mounts in its own mount namespace only
+    left = podvm_leftovers(ctd, pod_id)
+    assert any(m.startswith(f"mount {ctd.state}") and cid in m and "mount namespace" in m
+               for m in left), left
+    assert not [m for m in mounts_under(ctd.workdir) if cid in m]
+    namespaces = pod_mount_namespaces(ctd, pod_id)
+    assert len(namespaces) == 1, namespaces  # the shim's and QEMU's, not the host's
     remove_pod(crictl, pod_id)
     assert pod_id not in crictl.pods()
     wait_for("the pod's shim to exit", lambda: podvm_leftovers(ctd, pod_id) == [], timeout=60)
+    # nothing can hold a mount of the pod: no process is left in its namespace
+    assert in_mount_namespace(namespaces.pop()) == []
 
 
 def test_a_guest_that_dies(ctd, crictl, configs) -> None:

@@ -22,8 +22,12 @@ from shim import mountns, mounts
 mountns.unshare_for_pod()
 print(json.dumps({"ns": os.readlink("/proc/self/ns/mnt")}), flush=True)
 for line in sys.stdin:
-    source, target, readonly = json.loads(line)
-    mounts.bind(source, target, readonly)
+    source, target, readonly, from_host = json.loads(line)
+    if not from_host:  # a rootfs: what the shim mounts itself, in the pod's namespace
+        mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), source)
+        open(os.path.join(source, "top"), "w").write("own\\n")
+    below = [[s.path, list(s.options)] for s in mounts.submounts(source)]
+    mounts.bind(source, target, readonly, from_host)
     points = [l.split()[4] for l in open("/proc/self/mountinfo")]
     seen = {}
     for path in ("top", "cache/note"):
@@ -31,7 +35,7 @@ for line in sys.stdin:
             seen[path] = open(os.path.join(target, path)).read()
         except OSError as exc:
             seen[path] = exc.strerror
-    print(json.dumps({"points": points, "seen": seen}), flush=True)
+    print(json.dumps({"points": points, "seen": seen, "submounts": below}), flush=True)
 """
 
 
@@ -73,8 +77,9 @@ def test_a_volume_s_submount_can_go_while_the_pod_binds_it(pod, tmp_path) -> Non
     try:
         (volume / "cache" / "note").write_text("in the tmpfs\n")
         target = tmp_path / "shared" / "c1" / "mounts" / "0-data"
-        seen = ask(pod, str(volume), str(target), True)
+        seen = ask(pod, str(volume), str(target), True, True)
         assert seen["seen"] == {"top": "top\n", "cache/note": "in the tmpfs\n"}
+        assert seen["submounts"] == [["cache", ["rw"]]]  # the host's, to keep it writable
         assert str(target) in seen["points"] and str(target / "cache") in seen["points"]
         assert not [p for p in host_points() if p.startswith(str(tmp_path / "shared"))]
     finally:
@@ -86,13 +91,16 @@ def test_a_volume_s_submount_can_go_while_the_pod_binds_it(pod, tmp_path) -> Non
 def test_cleanup_unmounts_inside_the_pod_s_namespace_while_it_lives(pod, tmp_path) -> None:
     (tmp_path / "volume").mkdir()
     shared = tmp_path / "shared"
-    seen = ask(pod, str(tmp_path / "volume"), str(shared / "c1" / "rootfs"), False)
+    seen = ask(pod, str(tmp_path / "volume"), str(shared / "c1" / "rootfs"), False, False)
     assert str(shared / "c1" / "rootfs") in seen["points"]
+    assert seen["seen"]["top"] == "own\n"  # the pod's own mount, not the host's directory
     assert cleanup.namespace_holder([pod.pid]) == pod.pid
-    assert cleanup.unmount_in_pod([str(shared / "c1")], pod.pid, "sb") == 1
+    assert cleanup.unmount_in_pod([str(shared / "c1"), str(tmp_path / "volume")], pod.pid,
+                                  "sb") == 2
     with open(f"/proc/{pod.pid}/mountinfo") as f:
         assert str(shared) not in f.read()
-    assert cleanup.unmount_in_pod([str(shared / "c1")], pod.pid, "sb") == 0  # idempotent
+    assert cleanup.unmount_in_pod([str(shared / "c1"), str(tmp_path / "volume")], pod.pid,
+                                  "sb") == 0  # idempotent
     pod.kill()
     pod.wait()
     assert cleanup.namespace_holder([pod.pid]) is None
