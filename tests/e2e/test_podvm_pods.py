@@ -225,8 +225,11 @@ def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
     cid = start_container(crictl, configs, pod_id, pod_file, "gone", "sleep 1000")
     # it is all there while the pod runs: its mounts in its own mount namespace only
     left = podvm_leftovers(ctd, pod_id)
-    assert any(m.startswith(f"mount {ctd.state}") and cid in m and "mount namespace" in m
-               for m in left), left
+    shared = os.path.join(paths.state_dir(CRI_NAMESPACE, pod_id), "shared", cid, "rootfs")
+    assert any(m.startswith(f"mount {shared} in pid ") for m in left), left
+    assert not [m for m in mounts_under(pathlib.Path(paths.STATE_ROOT)) if pod_id in m]
+    shim, = (pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd)
+    assert [m for m in mounts_under(ctd.state, shim) if m.endswith(f"{cid}/rootfs")]
     assert not [m for m in mounts_under(ctd.workdir) if cid in m]
     namespaces = pod_mount_namespaces(ctd, pod_id)
     assert len(namespaces) == 1, namespaces  # the shim's and QEMU's, not the host's

@@ -13,6 +13,9 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, TtrpcError
 
+from tests.shim.shimproc import daemon_pid
+
+from .containerd import mounts_under
 from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
 
 
@@ -73,7 +76,11 @@ async def test_bad_requests_answer_codes_and_leave_nothing(shim) -> None:
     with pytest.raises(TtrpcError) as err:
         await create(shim, "bad", bundle, fifos)
     assert err.value.code == Code.FAILED_PRECONDITION and "no/such/binary" in err.value.message
-    assert not os.path.ismount(bundle / "rootfs")
+    # nothing of it stays mounted in the pod's mount namespace (the daemon's), where
+    # the sandbox's rootfs is
+    daemon = daemon_pid(NS, "sb")
+    assert str(shim["bundle"] / "rootfs") in mounts_under(shim["bundle"], daemon)
+    assert mounts_under(bundle, daemon) == []
     shared = pathlib.Path(f"/run/podvm/{NS}/sb/shared")
     assert sorted(os.listdir(shared)) == ["sb"]  # only the sandbox's rootfs is shared
     with pytest.raises(TtrpcError) as err:

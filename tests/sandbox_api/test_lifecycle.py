@@ -19,6 +19,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
 from shim.config import MEASURED_OVERHEAD_MIB
+from tests.e2e.containerd import in_mount_namespace, mount_namespace, mounts_under
 from tests.e2e.taskshim import TASK, Fifos, busybox_rootfs, create, spec
 from tests.shim.shimproc import alive, daemon_pid, run_shim
 from tests.shim.test_process_contract import wait_gone
@@ -123,6 +124,12 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         # no pause container: PID 1 of the pod is the agent's namespace holder
         line = await fifos.read(fifos.out, b"\n")
         assert b"pid1=/bin/busybox sh -c trap" in line
+        # the container's rootfs is mounted in the pod's mount namespace (the daemon's and
+        # QEMU's), not in the host's
+        pod_ns = mount_namespace(pod.daemon_pid)
+        assert pod_ns not in (None, mount_namespace()) and mount_namespace(qemu) == pod_ns
+        assert str(c_bundle / "rootfs") in mounts_under(tmp_path, pod.daemon_pid)
+        assert mounts_under(tmp_path) == []
         assert b" host=api-pod\n" in line  # PodSandboxConfig.hostname, in the pod's UTS
 
         # Grow: 1 CPU and 256 MiB for the pod -> a vCPU and memory hot-plugged, the
@@ -227,7 +234,8 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         # nothing left, before any `delete`: socket, state, mounts, the sandbox cgroup
         assert not os.path.exists(pod.address.removeprefix("unix://"))
         assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
-        assert str(tmp_path) not in pathlib.Path("/proc/self/mountinfo").read_text()
+        assert mounts_under(tmp_path) == []
+        assert in_mount_namespace(pod_ns) == []  # so no mount of the pod is left anywhere
         assert not cgroup_exists(pod.sandbox_cgroup)
 
 
