@@ -7,6 +7,7 @@ import pathlib
 import re
 import signal
 import stat
+import subprocess
 import time
 
 import pytest
@@ -35,7 +36,7 @@ def started(tmp_path, grpc_address):
     run_shim(bundle, "sb1", "delete", grpc_address)
 
 
-def mount_points(pid: int) -> set[str]:
+def mount_points(pid: int | str) -> set[str]:
     """What is mounted in the mount namespace of `pid` (the daemon's: the pod's)."""
     with open(f"/proc/{pid}/mountinfo") as f:
         return {line.split()[4] for line in f}
@@ -82,6 +83,26 @@ def test_the_daemon_has_a_mount_namespace_of_its_own(started) -> None:
     pid = daemon_pid(NS, "sb1")
     assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
     assert {"/", "/proc", "/sys"} <= mount_points(pid)
+
+
+def test_delete_of_a_container_unmounts_it_in_the_pod_s_namespace(started, tmp_path,
+                                                                  grpc_address) -> None:
+    """containerd runs `delete` for a container whose Delete failed while the pod's daemon
+    lives: its rootfs and shared files are mounts in the daemon's namespace, unmounted
+    there; the daemon serves on."""
+    pid = daemon_pid(NS, "sb1")
+    workload = make_bundle(tmp_path, "c1", sandbox_id="sb1")
+    shared = pathlib.Path(f"/run/podvm/{NS}/sb1/shared/c1/rootfs")
+    shared.mkdir(parents=True)
+    for point in (workload / "rootfs", shared):
+        subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "mount", "-t", "tmpfs",
+                        "tmpfs", str(point)], check=True)
+        assert str(point) in mount_points(pid) and str(point) not in mount_points("self")
+    result = run_shim(workload, "c1", "delete", grpc_address)
+    assert result.returncode == 0, result.stderr
+    assert api.DeleteResponse.FromString(result.stdout).exit_status == 137
+    assert not {str(workload / "rootfs"), str(shared)} & mount_points(pid)
+    assert alive(pid) and daemon_pid(NS, "sb1") == pid
 
 
 def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -> None:
