@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+
+TYPE_CHECKING = False  # not typing's: importing typing is 4 ms of `start`, which imports this
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 CLONE_NEWNS = 0x00020000
 MS_REC = 0x4000
@@ -30,10 +36,18 @@ class MountNamespaceError(OSError):
     """The shim could not make or enter a mount namespace: the message says which."""
 
 
-def _libc():
-    from .mounts import _c  # one ctypes handle, loaded only where mounts are made
+_libc_handle = None
 
-    return _c()
+
+def _libc():
+    """libc through ctypes, without shim.mounts (its dataclasses would add about 15 ms to
+    `start`)."""
+    global _libc_handle
+    if _libc_handle is None:
+        import ctypes  # here: `start` loads it only when it forks a daemon
+
+        _libc_handle = ctypes.CDLL(None, use_errno=True)
+    return _libc_handle
 
 
 def _errno() -> int:
@@ -83,10 +97,11 @@ def namespace_of(pid: int | str) -> str | None:
         return None
 
 
-def in_namespace(ns: int | str, fn: Callable[..., Any], *args: Any) -> Any:
+def in_namespace(ns: int | str, fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` run in the mount namespace `ns` (an open fd, or a path such as
     /proc/PID/ns/mnt) by a forked child; its JSON-able result, or its OSError raised here.
     Blocking (a fork and the call): for the few mount operations that need it."""
+    libc = _libc()  # loaded before the fork: the child imports nothing
     fd = os.open(ns, os.O_RDONLY | os.O_CLOEXEC) if isinstance(ns, str) else ns
     try:
         read, write = os.pipe()
@@ -95,7 +110,7 @@ def in_namespace(ns: int | str, fn: Callable[..., Any], *args: Any) -> Any:
             os.close(read)
             code = 1
             try:
-                if _libc().setns(fd, CLONE_NEWNS) != 0:
+                if libc.setns(fd, CLONE_NEWNS) != 0:
                     err = _errno()
                     raise OSError(err, f"setns into mount namespace {ns}: {os.strerror(err)}")
                 answer: dict = {"result": fn(*args)}

@@ -94,6 +94,7 @@ def bind(source: str, target: str, readonly: bool = False, from_host: bool = Tru
         _make_target(os.path.isdir(source), target)
         mount(Mount("bind", source, ("rbind",)), target)
     else:
+        _c()  # loaded before the helper forks: it imports nothing
         own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         try:
             mountns.in_namespace(host, _clone_into, source, own, target)
