@@ -48,7 +48,7 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     daemon = pid if isinstance(pid, int) and is_our_shim(pid) else None
     if group != container_id:  # a workload container: its own mounts only
         state_dir = paths.state_dir(namespace, group)
-        holder = namespace_holder([daemon] if daemon else [], _qemus_of_state_dir(state_dir))
+        holder = namespace_holder(([daemon] if daemon else []) + _qemus_of_state_dir(state_dir))
         unmount_in_pod([os.path.join(state_dir, "shared", container_id),
                         os.path.join(bundle, "rootfs")], holder, group)
         return
@@ -59,12 +59,12 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     unmount(os.path.join(bundle, "rootfs"))  # made in the host's namespace by an older podvm
 
 
-def namespace_holder(*pids: list[int]) -> int | None:
+def namespace_holder(pids: list[int]) -> int | None:
     """The first of `pids` (the pod's daemon, its QEMU) alive in a mount namespace other
     than this process's: the pod's, where its mounts are (None: no such process is left,
     and the namespace went with them, or this process is in it)."""
     mine = mountns.namespace_of("self")
-    for pid in (p for group in pids for p in group):
+    for pid in pids:
         ns = mountns.namespace_of(pid)
         if ns is not None and ns != mine and start_time(pid) is not None:
             return pid
