@@ -14,6 +14,8 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
+from shim import paths
+from tests.e2e.containerd import shims_of
 
 from .shimproc import NS, SHIM, alive, daemon_pid, make_bundle, run_shim
 
@@ -117,6 +119,25 @@ def test_containers_of_a_pod_share_one_daemon(started, tmp_path, grpc_address) -
     result = run_shim(other, "sb2", "start", grpc_address)
     assert result.stdout.decode() != address
     run_shim(other, "sb2", "delete", grpc_address)
+
+
+def test_start_without_a_mount_namespace_fails_in_its_own_words(tmp_path,
+                                                                grpc_address) -> None:
+    """A shim that may not unshare (no CAP_SYS_ADMIN) does not serve a pod whose mounts
+    would be the host's: `start` fails, saying why, and leaves no socket or daemon."""
+    bundle = make_bundle(tmp_path, "nons", sandbox_id="nons")
+    argv = ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", "--", SHIM,
+            "-namespace", NS, "-address", grpc_address, "-publish-binary",
+            "/usr/bin/containerd", "-id", "nons", "start"]
+    result = subprocess.run(argv, cwd=bundle, capture_output=True, timeout=10,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and result.stdout == b""
+    assert b"cannot make the pod's mount namespace" in result.stderr, result.stderr
+    assert b"CAP_SYS_ADMIN" in result.stderr, result.stderr
+    assert not os.path.exists(f"/run/podvm/{NS}/nons/shim.json")
+    assert not (bundle / "address").exists()
+    assert not os.path.exists(paths.socket_path(paths.socket_address(grpc_address, NS, "nons")))
+    assert shims_of(grpc_address) == []
 
 
 def test_stale_socket_is_replaced(tmp_path, grpc_address) -> None:
