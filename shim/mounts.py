@@ -1,6 +1,7 @@
 """mount(2) and umount2(2) for the shim: containerd's rootfs mounts onto the bundle, and
 binds of a pod's files into the directory its VM shares with the guest; what is mounted
-where, from /proc/self/mountinfo."""
+where, from /proc/self/mountinfo (in the daemon: the pod's own mount namespace, see
+shim/mountns.py)."""
 from __future__ import annotations
 
 import errno

@@ -1,7 +1,8 @@
 """What kubelet expects of a pod and its containers (issue 18), through containerd's CRI
 (Debian's 1.6) as critest drives it: pod sysctls set in the pod's namespaces, a sysctl
 that would change the whole VM refused at runp, and read-only volumes that are
-read-only as runc makes them (their submounts stay writable), privileged containers with
+read-only as runc makes them (their submounts stay writable, and removable while the
+pod runs: critest's cleanup), privileged containers with
 the kernel features runc gives them (bridges), mount propagation from the
 host refused when the container's task is made.
 
