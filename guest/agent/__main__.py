@@ -53,7 +53,6 @@ async def main() -> None:
     REAPER.install()
     service = AgentService()
     server = Server([bind(agent_pb2.DESCRIPTOR.services_by_name["Agent"], service)])
-    oom = asyncio.create_task(service.watch_oom())
     path = await wait_for_port()
     log.info("serving podvm.agent.v1.Agent on %s, %.2fs after boot", path, time.monotonic())
     while True:
@@ -61,7 +60,6 @@ async def main() -> None:
         await server.serve_stream(reader, writer)
         log.info("host closed the agent port; serving it again")
         await asyncio.sleep(0.05)
-    oom.cancel()
 
 
 def run() -> None:

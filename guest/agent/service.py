@@ -119,6 +119,7 @@ class AgentService:
         spec = oci.guest_spec(spec, req.container_id, self._sandbox_pid())
         container = await containers.create(req.container_id, spec, req.stdio, req.sandbox)
         self.containers[req.container_id] = container
+        self.oom_kills.watch(req.container_id)
         log.info("created %s (pid %d)", req.container_id, container.init.pid)
         return pb.CreateContainerResponse(pid=container.init.pid)
 
@@ -329,9 +330,6 @@ class AgentService:
 
     async def GetOOMEvent(self, req: pb.GetOOMEventRequest, ctx: Context) -> pb.OOMEvent:
         return pb.OOMEvent(container_id=await self.oom_kills.next())
-
-    async def watch_oom(self) -> None:
-        await self.oom_kills.watch(lambda: self.containers)
 
     async def Shutdown(self, req: pb.ShutdownRequest, ctx: Context) -> Empty:
         log.info("shutdown: stopping %d container(s)", len(self.containers))
