@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 
+from .libc import last_errno, libc
+
 TYPE_CHECKING = False  # not typing's: importing typing is 4 ms of `start`, which imports this
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,26 +38,6 @@ class MountNamespaceError(OSError):
     """The shim could not make or enter a mount namespace: the message says which."""
 
 
-_libc_handle = None
-
-
-def _libc():
-    """libc through ctypes, without shim.mounts (its dataclasses would add about 15 ms to
-    `start`)."""
-    global _libc_handle
-    if _libc_handle is None:
-        import ctypes  # here: `start` loads it only when it forks a daemon
-
-        _libc_handle = ctypes.CDLL(None, use_errno=True)
-    return _libc_handle
-
-
-def _errno() -> int:
-    import ctypes
-
-    return ctypes.get_errno()
-
-
 def threads() -> int:
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("Threads:")).split()[1])
@@ -70,15 +52,15 @@ def unshare_for_pod() -> None:
         raise MountNamespaceError(f"cannot make the pod's mount namespace: unshare(CLONE_NEWNS)"
                                   f" needs a single-threaded process, this one has {count}")
     host = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    libc = _libc()
-    if libc.unshare(CLONE_NEWNS) != 0:
-        err = _errno()
+    c = libc()
+    if c.unshare(CLONE_NEWNS) != 0:
+        err = last_errno()
         os.close(host)
         raise MountNamespaceError(err, f"cannot make the pod's mount namespace: unshare"
                                        f"(CLONE_NEWNS): {os.strerror(err)} (the shim needs "
                                        f"CAP_SYS_ADMIN)")
-    if libc.mount(None, b"/", None, MS_SLAVE | MS_REC, None) != 0:
-        err = _errno()
+    if c.mount(None, b"/", None, MS_SLAVE | MS_REC, None) != 0:
+        err = last_errno()
         raise MountNamespaceError(err, f"cannot make the pod's mount namespace a slave of the "
                                        f"host's: mount --make-rslave /: {os.strerror(err)}")
     _host_ns_fd = host
@@ -101,7 +83,7 @@ def in_namespace(ns: int | str, fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)` run in the mount namespace `ns` (an open fd, or a path such as
     /proc/PID/ns/mnt) by a forked child; its JSON-able result, or its OSError raised here.
     Blocking (a fork and the call): for the few mount operations that need it."""
-    libc = _libc()  # loaded before the fork: the child imports nothing
+    c = libc()  # loaded before the fork: the child imports nothing
     fd = os.open(ns, os.O_RDONLY | os.O_CLOEXEC) if isinstance(ns, str) else ns
     try:
         read, write = os.pipe()
@@ -110,8 +92,8 @@ def in_namespace(ns: int | str, fn: Callable[..., T], *args: object) -> T:
             os.close(read)
             code = 1
             try:
-                if libc.setns(fd, CLONE_NEWNS) != 0:
-                    err = _errno()
+                if c.setns(fd, CLONE_NEWNS) != 0:
+                    err = last_errno()
                     raise OSError(err, f"setns into mount namespace {ns}: {os.strerror(err)}")
                 answer: dict = {"result": fn(*args)}
                 code = 0

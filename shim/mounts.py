@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
+from .libc import last_errno, libc
+
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -32,28 +34,6 @@ _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_
 _IGNORED = {"rw", "suid", "dev", "exec", "defaults"}
 _PER_MOUNT = ("ro", "nosuid", "nodev", "noexec")
 """The flags of a mount itself (not of its filesystem) that a bind of it must repeat."""
-
-_libc = None
-
-
-def _c():
-    global _libc
-    if _libc is None:
-        import ctypes  # kept out of the idle shim daemon, like everything VM-only
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
-                               ctypes.c_ulong, ctypes.c_char_p]
-        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        libc.syscall.restype = ctypes.c_long
-        _libc = libc
-    return _libc
-
-
-def _errno() -> int:
-    import ctypes  # loaded by _c() already: still kept out of the idle daemon
-
-    return ctypes.get_errno()
 
 
 @dataclass(frozen=True)
@@ -95,7 +75,7 @@ def bind(source: str, target: str, readonly: bool = False, from_host: bool = Tru
         _make_target(os.path.isdir(source), target)
         mount(Mount("bind", source, ("rbind",)), target)
     else:
-        _c()  # loaded before the helper forks: it imports nothing
+        libc()  # loaded before the helper forks: it imports nothing
         own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         try:
             mountns.in_namespace(host, _clone_into, source, own, target)
@@ -120,27 +100,27 @@ def _clone_into(source: str, own_ns: int, target: str) -> None:
     `source`'s tree (open_tree), attached at `target` in the namespace `own_ns`."""
     from . import mountns
 
-    libc = _c()
-    tree = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source),
-                        _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_RECURSIVE)
+    c = libc()
+    tree = c.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source),
+                     _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_RECURSIVE)
     if tree < 0:
-        err = _errno()
+        err = last_errno()
         raise OSError(err, f"bind {source}: open_tree: {os.strerror(err)}")
     directory = os.path.isdir(f"/proc/self/fd/{tree}")
-    if libc.setns(own_ns, mountns.CLONE_NEWNS) != 0:
-        err = _errno()
+    if c.setns(own_ns, mountns.CLONE_NEWNS) != 0:
+        err = last_errno()
         raise OSError(err, f"bind {source}: back into the pod's namespace: {os.strerror(err)}")
     _make_target(directory, target)
-    if libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target),
-                    _MOVE_MOUNT_F_EMPTY_PATH) != 0:
-        err = _errno()
+    if c.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target),
+                 _MOVE_MOUNT_F_EMPTY_PATH) != 0:
+        err = last_errno()
         raise OSError(err, f"bind {source} on {target}: move_mount: {os.strerror(err)}")
 
 
 def unmount(path: str) -> bool:
     """Detach whatever is mounted on `path`; False when nothing was (or no such path)."""
-    if _c().umount2(os.fsencode(path), MNT_DETACH) != 0:
-        err = _errno()
+    if libc().umount2(os.fsencode(path), MNT_DETACH) != 0:
+        err = last_errno()
         if err in (errno.EINVAL, errno.ENOENT):
             return False
         raise OSError(err, f"umount {path}: {os.strerror(err)}")
@@ -215,9 +195,9 @@ def unmount_all(path: str) -> int:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str) -> None:
-    if _c().mount(_b(source), os.fsencode(target), _b(fstype), flags,
+    if libc().mount(_b(source), os.fsencode(target), _b(fstype), flags,
                   _b(data or None)) != 0:
-        err = _errno()
+        err = last_errno()
         raise OSError(err, f"mount {source or ''} on {target} ({fstype or 'bind'}, "
                            f"{data or 'no options'}): {os.strerror(err)}")
 

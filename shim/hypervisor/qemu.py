@@ -5,7 +5,6 @@ virtio-9p, QMP for control and thread ids."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 from podvm_core.protocol import AGENT_PORT
 
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
+from ..libc import last_errno, libc
 from ..resources.update import MEMORY_BLOCK_MIB
 from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, ThreadRole, VM,
                    VMExited, VMSpec)
@@ -53,8 +53,8 @@ def _no_huge_pages() -> None:
     QEMU asks for them on guest RAM and the TCG cache; with them a guest page touched
     keeps 2 MiB resident, and what free page reporting returns is split off later.
     Measured: the idle guest's RAM 96.0 -> 91.3 MiB resident, boot no slower."""
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0):
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE)")
+    if libc().prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0):
+        raise OSError(last_errno(), "prctl(PR_SET_THP_DISABLE)")
 
 
 class QemuVM(VM):
@@ -162,6 +162,7 @@ class QemuVM(VM):
             _unlink(path)
         cmd = self.command()
         log.info("starting QEMU: %s", " ".join(cmd))
+        libc()  # loaded before the fork: the child only calls it
 
         def child() -> None:
             _no_huge_pages()

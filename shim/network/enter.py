@@ -9,23 +9,19 @@ awaits, so no other coroutine of the loop runs there."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 from typing import Callable, Iterator, TypeVar
 
+from ..libc import last_errno, libc
 from .errors import NamespaceGone, NetworkError
 
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-
-
 def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
+    if libc().setns(fd, CLONE_NEWNET) != 0:
+        err = last_errno()
         raise OSError(err, os.strerror(err))
 
 

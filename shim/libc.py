@@ -1,0 +1,30 @@
+"""libc through ctypes, for the few system calls Python's os module lacks (mount,
+umount2, setns, unshare, open_tree and move_mount through syscall, prctl): one handle,
+loaded at the first call, so that neither the idle daemon nor a `start` that forks no
+daemon pays for ctypes. A caller that forks a helper which must import nothing calls
+`libc()` before the fork."""
+from __future__ import annotations
+
+_handle = None
+
+
+def libc():
+    global _handle
+    if _handle is None:
+        import ctypes
+
+        handle = ctypes.CDLL(None, use_errno=True)
+        handle.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                 ctypes.c_ulong, ctypes.c_char_p]
+        handle.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        handle.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        handle.syscall.restype = ctypes.c_long
+        _handle = handle
+    return _handle
+
+
+def last_errno() -> int:
+    """errno as the last call through `libc()` left it."""
+    import ctypes  # loaded by libc() already
+
+    return ctypes.get_errno()
