@@ -23,55 +23,47 @@ async def _next(kills: OOMKills) -> str:
     return await asyncio.wait_for(kills.next(), 5)
 
 
-def test_kills_are_told_as_memory_events_change(tmp_path, monkeypatch) -> None:
+@pytest.fixture
+def cgroup(tmp_path, monkeypatch) -> pathlib.Path:
+    """The agent's cgroup root, for these tests a plain directory."""
     monkeypatch.setattr(resources, "CGROUP", str(tmp_path))
-
-    async def scenario() -> None:
-        kills = OOMKills()
-        _events(tmp_path, "a", 0)
-        _events(tmp_path, "b", 0)
-        kills.watch("a")
-        kills.watch("b")
-        kills.watch("holder")  # no cgroup of its own: nothing to watch
-        _events(tmp_path, "b", 1)
-        assert await _next(kills) == "b"
-        _events(tmp_path, "a", 2)
-        assert await _next(kills) == "a"
-        _events(tmp_path, "a", 2)  # a change that is no new kill
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(kills.next(), 0.5)
-
-    asyncio.run(scenario())
+    return tmp_path
 
 
-def test_a_kill_before_the_watch_is_counted(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(resources, "CGROUP", str(tmp_path))
+async def test_kills_are_told_as_memory_events_change(cgroup) -> None:
+    kills = OOMKills()
+    _events(cgroup, "a", 0)
+    _events(cgroup, "b", 0)
+    kills.watch("a")
+    kills.watch("b")
+    kills.watch("holder")  # no cgroup of its own: nothing to watch
+    _events(cgroup, "b", 1)
+    assert await _next(kills) == "b"
+    _events(cgroup, "a", 2)
+    assert await _next(kills) == "a"
+    _events(cgroup, "a", 2)  # a change that is no new kill
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(kills.next(), 0.5)
 
-    async def scenario() -> None:
-        kills = OOMKills()
-        _events(tmp_path, "a", 1)
-        kills.watch("a")
-        assert await _next(kills) == "a"
 
-    asyncio.run(scenario())
+async def test_a_kill_before_the_watch_is_counted(cgroup) -> None:
+    kills = OOMKills()
+    _events(cgroup, "a", 1)
+    kills.watch("a")
+    assert await _next(kills) == "a"
 
 
-def test_a_kill_told_at_exit_is_not_told_again(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(resources, "CGROUP", str(tmp_path))
-
-    async def scenario() -> None:
-        kills = OOMKills()
-        _events(tmp_path, "a", 0)
-        kills.watch("a")
-        (tmp_path / "a" / "memory.events").write_text("oom_kill 1\n")
-        assert kills.take_at_exit("a")  # before the notification is read
-        await asyncio.sleep(0.2)  # the notification comes and finds nothing new
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(kills.next(), 0.5)
-        kills.forget("a")
-        _events(tmp_path, "a", 0)  # the id comes again, with a new cgroup
-        kills.watch("a")
-        _events(tmp_path, "a", 1)
-        assert await _next(kills) == "a"
-
-    asyncio.run(scenario())
+async def test_a_kill_told_at_exit_is_not_told_again(cgroup) -> None:
+    kills = OOMKills()
+    _events(cgroup, "a", 0)
+    kills.watch("a")
+    (cgroup / "a" / "memory.events").write_text("oom_kill 1\n")
+    assert kills.take_at_exit("a")  # before the notification is read
+    await asyncio.sleep(0.2)  # the notification comes and finds nothing new
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(kills.next(), 0.5)
+    kills.forget("a")
+    _events(cgroup, "a", 0)  # the id comes again, with a new cgroup
+    kills.watch("a")
+    _events(cgroup, "a", 1)
+    assert await _next(kills) == "a"
