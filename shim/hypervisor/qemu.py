@@ -65,6 +65,7 @@ class QemuVM(VM):
         self._exit_status: int | None = None
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._booted = False
+        self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
 
     @property
     def pid(self) -> int:
@@ -250,8 +251,10 @@ class QemuVM(VM):
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
+        self._boot_stage = "QEMU had not opened its QMP socket"
         while True:  # the socket file appears a moment before QEMU listens on it
             if os.path.exists(self.qmp_socket):
+                self._boot_stage = "QEMU had not answered the QMP handshake"
                 try:
                     await qmp.connect(self.qmp_socket)
                     break
@@ -263,9 +266,12 @@ class QemuVM(VM):
         self._qmp = qmp
         # Connected before the guest runs: a guest that opens its port while the host
         # side is unconnected reads end-of-file.
+        self._boot_stage = "the agent socket of QEMU did not accept"
         self._agent_stream = await asyncio.open_unix_connection(self.agent_socket)
         with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
+            self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
             await qmp.execute("cont")
+            self._boot_stage = "the guest ran but never opened its agent port"
             async for event in port_events:
                 data = event.get("data", {})
                 if data.get("id") == "agentport" and data.get("open"):
@@ -276,7 +282,8 @@ class QemuVM(VM):
     def _boot_timeout_message(self) -> str:
         q = self.spec.hypervisor
         return (f"the guest of sandbox {self.spec.sandbox_id} did not come up within "
-                f"{q.boot_timeout}s (accel={q.accel}); QEMU said: {self._qemu_log_tail()}; "
+                f"{q.boot_timeout}s (accel={q.accel}): {self._boot_stage}; QEMU said: "
+                f"{self._qemu_log_tail()}; "
                 f"guest console ends with: {_tail(self.console_log) or '(nothing)'}; "
                 f"{self._accel_hint()}")
 
