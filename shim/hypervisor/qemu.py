@@ -184,8 +184,9 @@ class QemuVM(VM):
             async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
                 await self._first_of(self._attach_and_boot(), self._exited_early())
         except TimeoutError:
+            where = await self._vcpu_positions() if self._qmp is not None else ""
             await self.stop(timeout=0)
-            raise BootTimeout(self._boot_timeout_message()) from None
+            raise BootTimeout(self._boot_timeout_message() + where) from None
         except VANISHED as exc:
             # QEMU died under the QMP handshake (an abort at start reads as EOF there):
             # its exit, not the broken socket, is what the user needs to hear about.
@@ -286,6 +287,21 @@ class QemuVM(VM):
                 f"{self._qemu_log_tail()}; "
                 f"guest console ends with: {_tail(self.console_log) or '(nothing)'}; "
                 f"{self._accel_hint()}")
+
+    async def _vcpu_positions(self) -> str:
+        """Where the instruction pointer of each vCPU in 64-bit mode is ("; vCPU
+        instruction pointers: 0x..."), for a guest that hangs in its kernel without a word on the console (`quiet`): the
+        kernel is booted with nokaslr, so its System.map names the function. "" when QEMU
+        cannot say."""
+        try:
+            text = await asyncio.wait_for(self._qmp.execute(  # type: ignore[union-attr]
+                "human-monitor-command", {"command-line": "info registers -a"}), 2)
+        except Exception as exc:  # a QEMU that does not answer is already in the message
+            log.debug("info registers: %s", exc)
+            return ""
+        rips = [word.split("=", 1)[1].lstrip("0") or "0" for word in str(text).split()
+                if word.startswith("RIP=")]
+        return f"; vCPU instruction pointers: {', '.join('0x' + r for r in rips)}" if rips else ""
 
     def console_tail(self, size: int = 2000) -> str:
         return _tail(self.console_log, size) or "(nothing)"

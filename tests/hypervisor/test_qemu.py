@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
 import signal
 
 import pytest
@@ -71,6 +72,23 @@ async def test_kvm_that_cannot_run_a_guest_is_podvm_error_naming_the_setting(tmp
         assert said and said[-1].strip() in message
         assert "before the guest came up" in message
     assert vm._proc is not None and vm._proc.returncode is not None  # gone
+
+
+async def test_guest_that_does_not_come_up_in_time_says_where_it_was(tmp_path) -> None:
+    """A TCG guest needs more than 2 s to reach its agent: the timeout says the guest ran
+    and never opened its port, and where each vCPU in 64-bit mode was (a kernel hang
+    under `quiet` leaves nothing else), and QEMU is gone."""
+    vm = QemuVM(spec(tmp_path, boot_timeout=2))
+    with pytest.raises(BootTimeout) as err:
+        await vm.launch()
+    message = str(err.value)
+    assert "did not come up within 2s (accel=tcg): the guest ran but never opened its " \
+           "agent port" in message, message
+    pointers = message.split("vCPU instruction pointers: ", 1)[1].split(", ")
+    # the boot CPU at least (a vCPU not yet in 64-bit mode has an EIP, not an RIP)
+    assert 1 <= len(pointers) <= 4, message
+    assert all(re.fullmatch(r"0x[0-9a-f]+", p) for p in pointers), message
+    assert vm._proc is not None and vm._proc.returncode is not None
 
 
 async def test_qemu_that_aborts_at_start_is_quoted(tmp_path) -> None:
