@@ -44,6 +44,18 @@ def mount_points(pid: int | str) -> set[str]:
         return {line.split()[4] for line in f}
 
 
+def open_files(pid: int) -> list[str]:
+    """What `pid` holds open. The daemon is still coming up (importing): a file it closes
+    between listing and reading its link is one it no longer holds."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links
+
+
 async def wait_gone(pid: int, timeout: float = 5) -> None:
     deadline = time.monotonic() + timeout
     while alive(pid) and time.monotonic() < deadline:
@@ -69,7 +81,7 @@ def test_daemon_holds_nothing_of_start_but_its_socket(started) -> None:
     """`start` forks the daemon: containerd reads `start`'s output until every copy of its
     pipes is closed, so the daemon must hold none of them (nor anything else of `start`)."""
     pid = daemon_pid(NS, "sb1")
-    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    links = open_files(pid)
     assert not [link for link in links if link.startswith("pipe:")], links
     # A module file may be open for a moment: the daemon imports as it comes up. The
     # host's mount namespace stays open: the daemon's binds clone host paths there.
