@@ -37,12 +37,15 @@ QBOOT = "/usr/share/qemu/qboot.rom"
 # lockup watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug are untouched.
 # swiotlb=noforce: the hot-plug area reaches above 4 GiB, for which the kernel would set
 # aside 64 MiB of bounce buffers (touched at boot) that no virtio device uses.
+# noreplace-smp: a VM that boots one vCPU would rewrite every LOCK prefix of the kernel
+# (and of each module it loads) for a uniprocessor, and back when the pod grows: -0.12 s
+# in the kernel's alternatives patching, ~0.19 s to /init under TCG (median of 4 pairs).
 KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i8042.nopnp "
                  "i8042.dumbkbd tsc=reliable no_timer_check rcupdate.rcu_expedited=1 "
                  "mitigations=off nokaslr "
                  "cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_kprobe_trace,"
                  "load_system_certificate_list,init_encrypted 8250.nr_uarts=1 init_on_alloc=0 "
-                 "audit=0 lsm=capability nowatchdog swiotlb=noforce")
+                 "audit=0 lsm=capability nowatchdog swiotlb=noforce noreplace-smp")
 
 
 PR_SET_THP_DISABLE = 41
