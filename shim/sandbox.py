@@ -71,7 +71,9 @@ class Sandbox:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.state.save(state_path(self.dir))
 
-    async def boot(self) -> None:
+    async def boot(self, network_worker: remote.Worker | None = None) -> None:
+        """`network_worker`: one started ahead for the pod's network (the caller closes
+        it, a no-op once used); a pod with a namespace and none starts its own."""
         q = self.config.qemu
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
@@ -90,7 +92,8 @@ class Sandbox:
         self.vm = vm
         try:
             if self.netns:
-                nics = await self._attach_network()
+                nics = await self._attach_network(
+                    network_worker or await remote.Worker.start())
                 self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
             try:
                 await self.vm.launch(preexec=self.cgroup.preexec())
@@ -126,10 +129,10 @@ class Sandbox:
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
 
-    async def _attach_network(self) -> tuple[TapNic, ...]:
+    async def _attach_network(self, worker: remote.Worker) -> tuple[TapNic, ...]:
         """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
         caller's to hand to QEMU and close."""
-        network, nics = await remote.attach(self.netns)
+        network, nics = await worker.attach(self.netns)
         self._record(network=network, taps=tuple(n.tap for n in nics))
         for itf in network.interfaces:
             log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,

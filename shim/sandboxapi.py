@@ -30,6 +30,7 @@ from .pod.podfiles import PodFiles
 from .pod.sysctls import check_pod_sysctls
 from .pod.pod import Pod
 from .pod.slot import VM_GONE_STATUS, PodSlot
+from .network import remote
 from .sandbox import host
 
 if TYPE_CHECKING:
@@ -127,17 +128,25 @@ class SandboxService:
             raise TtrpcError(Code.FAILED_PRECONDITION, f"the pod has no DNS configuration "
                                                        f"and the host's cannot be read: "
                                                        f"{exc}") from None
-        annotations = {**pod_config.annotations, **req.annotations}
-        planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
-                                                            host()))
-        pod = Pod(self.namespace, req.sandbox_id, cfg, planner,
-                  _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id),
-                  req.netns_path)
+        # The network worker starts first: its start overlaps the plan, and the boot
+        # finds it ready.
+        worker = await remote.Worker.start() if req.netns_path else None
         try:
-            pod.files = files.write(paths.state_dir(self.namespace, req.sandbox_id))
-        except OSError as exc:
-            raise TtrpcError(Code.FAILED_PRECONDITION,
-                             f"cannot write the pod's /etc files: {exc}") from None
+            annotations = {**pod_config.annotations, **req.annotations}
+            planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
+                                                                host()))
+            pod = Pod(self.namespace, req.sandbox_id, cfg, planner,
+                      _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id),
+                      req.netns_path, worker)
+            try:
+                pod.files = files.write(paths.state_dir(self.namespace, req.sandbox_id))
+            except OSError as exc:
+                raise TtrpcError(Code.FAILED_PRECONDITION,
+                                 f"cannot write the pod's /etc files: {exc}") from None
+        except BaseException:
+            if worker is not None:
+                await worker.close()
+            raise
         pod.listen(self)
         self.slot.take(pod)
         self.slot.sandbox_api_owner = req.sandbox_id

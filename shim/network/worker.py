@@ -7,8 +7,11 @@ inherited, one message of JSON, with the taps' and vhost-net's descriptors attac
 (SCM_RIGHTS) when it attached. It exits at once: its copies of the descriptors close, the
 shim's keep the taps alive until QEMU has its own.
 
-usage: python -m shim.network.worker --socket FD attach NETNS
-       python -m shim.network.worker --socket FD detach NETNS [TAP ...]"""
+It starts before it is needed and waits, its imports done, for its one request on that
+socket: {"op": "attach" | "detach", "netns": PATH, "taps": [NAME, ...]}. The socket
+closed without one, it exits having done nothing.
+
+usage: python -m shim.network.worker --socket FD"""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +25,8 @@ from .attach import attach
 from .detach import detach
 from .errors import NamespaceGone, NetworkError
 from .read import read_network
+
+MAX_REQUEST = 1 << 16
 
 
 def answer_error(exc: NetworkError) -> dict:
@@ -46,17 +51,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--socket", type=int, required=True,
                         help="the inherited AF_UNIX socket to answer on")
-    parser.add_argument("op", choices=("attach", "detach"))
-    parser.add_argument("netns", help="the pod's network namespace (a path)")
-    parser.add_argument("taps", nargs="*", help="detach: the tap names the pod recorded")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.socket)
+    request = sock.recv(MAX_REQUEST)
+    if not request:
+        return 0  # not needed after all
+    request = json.loads(request)
     fds: list[int] = []
     try:
-        if args.op == "attach":
-            reply, fds = asyncio.run(_attach(args.netns))
+        if request["op"] == "attach":
+            reply, fds = asyncio.run(_attach(request["netns"]))
         else:
-            asyncio.run(detach(args.netns, args.taps))
+            asyncio.run(detach(request["netns"], request["taps"]))
             reply = {"ok": True}
     except NetworkError as exc:
         reply = answer_error(exc)

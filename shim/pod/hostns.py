@@ -10,6 +10,13 @@ from podvm_core.ttrpc import Code, TtrpcError
 HOST_NAMESPACES = {"network": "hostNetwork", "pid": "hostPID", "ipc": "hostIPC"}
 
 
+def spec_namespaces(spec: dict) -> dict[str, str]:
+    """An OCI spec's namespaces: type -> path ("" for a new one); a type not listed is
+    the host's."""
+    return {ns.get("type"): ns.get("path") or "" for ns in
+            (spec.get("linux") or {}).get("namespaces") or []}
+
+
 def host_namespaces_refusal(shared: list[str]) -> TtrpcError:
     """The answer for a pod that would share the host's `shared` namespaces (OCI names):
     a VM has its own kernel, so it cannot honour them."""

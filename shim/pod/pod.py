@@ -25,10 +25,12 @@ from ..cpus.allocator import Allocator, AllocatorError
 from ..cpus.pinning import guest_cpus_for_update
 from ..hostcgroup import pod_cgroup_limits
 from ..hypervisor import HypervisorError
+from ..network import remote
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
-from .hostns import HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation
+from .hostns import (HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation,
+                     spec_namespaces)
 from .podfiles import with_mounts
 from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
@@ -59,11 +61,14 @@ class PodListener(Protocol):
 
 class Pod:
     def __init__(self, namespace: str, sandbox_id: str, cfg: config.Config,
-                 planner: PodPlanner, cgroups_path: str = "", netns: str = "") -> None:
+                 planner: PodPlanner, cgroups_path: str = "", netns: str = "",
+                 network_worker: remote.Worker | None = None) -> None:
         """`cgroups_path`: where the sandbox container's cgroup would be (either syntax);
         the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
         network namespace as containerd made it (CNI's interfaces in it become the VM's);
-        "" for a pod with a network of its own and no interface."""
+        "" for a pod with a network of its own and no interface. `network_worker`: one
+        started when the pod's request came (the pod's to use or close), so that it is
+        ready when the boot needs it."""
         self.namespace = namespace
         self.netns = netns
         self.id = sandbox_id
@@ -85,16 +90,16 @@ class Pod:
         self._applying = asyncio.Lock()
         self._death: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
+        self._network_worker = network_worker
 
     @classmethod
     def for_sandbox_container(cls, namespace: str, sandbox_id: str, cfg: config.Config,
-                              spec: dict) -> Pod:
+                              spec: dict, network_worker: remote.Worker | None = None) -> Pod:
         """The pod of a sandbox container (the Task API), planned from its OCI spec and
         the pod cgroup kubelet made above its cgroupsPath."""
         linux = spec.get("linux") or {}
         cgroups_path = linux.get("cgroupsPath") or ""
-        namespaces = {ns.get("type"): ns.get("path") or "" for ns in
-                      linux.get("namespaces") or []}
+        namespaces = spec_namespaces(spec)
         shared = [ns for ns in HOST_NAMESPACES if ns not in namespaces]  # none: the host's
         if shared:
             raise host_namespaces_refusal(shared)
@@ -102,7 +107,7 @@ class Pod:
         netns = namespaces["network"]
         memory_mib, cpus = pod_cgroup_limits(cgroups_path)
         planner = planned(lambda: PodPlanner.for_sandbox(cfg, spec, host(), memory_mib, cpus))
-        return cls(namespace, sandbox_id, cfg, planner, cgroups_path, netns)
+        return cls(namespace, sandbox_id, cfg, planner, cgroups_path, netns, network_worker)
 
     def listen(self, listener: PodListener) -> None:
         self._listeners.append(listener)
@@ -133,6 +138,15 @@ class Pod:
     async def boot(self) -> None:
         """Reserve the pod's CPUs (exclusive mode), plan, boot the VM, start watching it.
         Nothing is left behind when it fails."""
+        # The worker is for one boot: a boot tried again starts its own.
+        worker, self._network_worker = self._network_worker, None
+        try:
+            await self._boot(worker)
+        finally:
+            if worker is not None:
+                await worker.close()  # a no-op once used
+
+    async def _boot(self, worker: remote.Worker | None) -> None:
         allocator = self._reserve_cpus()
         try:
             self.planner.boot = planned(self.planner.plan)
@@ -145,7 +159,7 @@ class Pod:
                 log.info("sandbox %s plan: %s", self.id, line)
             started = time.monotonic()
             try:
-                await sandbox.boot()
+                await sandbox.boot(worker)
             except cgroups.CgroupError as exc:
                 raise errors.to_ttrpc(exc, "sandbox cgroup") from None
             except HypervisorError as exc:
@@ -167,6 +181,7 @@ class Pod:
         their exits are reported by the guest rather than assumed."""
         sandbox = self.sandbox
         if sandbox is None:
+            await self._close_network_worker()
             return
         if sandbox.vm is not None and (sandbox.vm.dead() or (
                 sandbox.agent is not None and sandbox.agent.lost)):
@@ -185,6 +200,12 @@ class Pod:
             task.cancel()
         for listener in self._listeners:
             listener.vm_stopped()
+
+    async def _close_network_worker(self) -> None:
+        """End the worker started for a boot that will not come."""
+        worker, self._network_worker = self._network_worker, None
+        if worker is not None:
+            await worker.close()
 
     async def _kill_all(self, agent: Agent, grace: float) -> None:
         containers = sorted(self.placed)  # it shrinks as their exits come in

@@ -20,6 +20,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 from .. import __version__, paths
 from ..events import Publisher
 from ..mounts import Mount
+from ..network import remote
+from ..pod.hostns import spec_namespaces
 from ..pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ..stdio import ProcessIO, Stdio
 from .bundle import load_config, read_bundle
@@ -118,9 +120,17 @@ class TaskService:
                              f"container {req.id} belongs to sandbox "
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM this "
                              f"shim does not run")
-        from ..pod.pod import Pod  # the VM machinery loads with a pod's first Create
+        # The network worker starts first: its start overlaps the plan and the cgroup.
+        worker = await remote.Worker.start() if spec_namespaces(spec).get("network") else None
+        try:
+            from ..pod.pod import Pod  # the VM machinery loads with a pod's first Create
 
-        pod = Pod.for_sandbox_container(self.namespace, req.id, load_config(req.options), spec)
+            pod = Pod.for_sandbox_container(self.namespace, req.id, load_config(req.options),
+                                            spec, worker)
+        except BaseException:
+            if worker is not None:
+                await worker.close()
+            raise
         self.slot.take(pod)
         try:
             await pod.boot()

@@ -2,6 +2,7 @@
 pyroute2. The descriptors cross the process boundary and keep the tap alive."""
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -43,6 +44,30 @@ async def test_worker_errors_come_back_typed(pod: Namespace) -> None:
     with pytest.raises(NamespaceGone):
         await remote.attach("/var/run/netns/podvm-no-such-namespace")
     await remote.detach("/var/run/netns/podvm-no-such-namespace")  # gone: nothing to do
+
+
+async def test_a_worker_started_ahead_waits_for_its_request(pod: Namespace) -> None:
+    worker = await remote.Worker.start()
+    await asyncio.sleep(1)  # its imports done, it waits: nothing is made before asked
+    assert_nothing_of_podvm(pod)
+    _, nics = await worker.attach(pod.path)
+    for nic in nics:
+        nic.close()
+    with pytest.raises(RuntimeError, match="one request"):
+        await worker.attach(pod.path)
+    await worker.close()  # used: nothing to do
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+
+
+async def test_a_worker_never_used_leaves_nothing(pod: Namespace) -> None:
+    worker = await remote.Worker.start()
+    pid = worker._proc.pid
+    await worker.close()
+    assert worker._proc.returncode == 0
+    assert not os.path.exists(f"/proc/{pid}")
+    assert_nothing_of_podvm(pod)
+    await worker.close()  # twice: nothing to do
 
 
 def test_the_daemon_side_never_loads_pyroute2() -> None:

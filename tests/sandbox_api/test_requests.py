@@ -199,6 +199,36 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     assert not cgroup_exists(pod.parent)
 
 
+def network_workers(daemon_pid: int) -> list[int]:
+    """The daemon's children that are network workers."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and \
+                b"shim.network.worker" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+async def test_a_sandbox_stopped_before_start_ends_its_early_network_worker(pod) -> None:
+    req = sb.CreateSandboxRequest(sandbox_id=pod.id, bundle_path=str(pod.bundle),
+                                  netns_path="/var/run/netns/podvm-never-used")
+    req.options.Pack(pod.config(memory=128 * MIB))
+    await pod.call("CreateSandbox", req, sb.CreateSandboxResponse)
+    (worker,) = network_workers(pod.daemon_pid)  # started at Create, for the boot
+    await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
+                   sb.StopSandboxResponse)
+    assert network_workers(pod.daemon_pid) == []
+    assert not os.path.exists(f"/proc/{worker}")
+    await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
+                   sb.ShutdownSandboxResponse)
+    await wait_gone(pod.daemon_pid, timeout=60)
+
+
 @pytest.mark.parametrize("option, field", [("network", "hostNetwork"), ("pid", "hostPID"),
                                            ("ipc", "hostIPC")])
 async def test_a_pod_sharing_host_namespaces_is_refused_before_anything_boots(
