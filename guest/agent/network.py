@@ -3,12 +3,10 @@ the MAC address the host set on it) renamed to the pod interface's name, with it
 addresses and routes, before any container runs. Containers share the guest's network
 namespace, which is therefore the pod's.
 
-The commands are busybox's `ip` applet, run through the reaper as PID 1 must run any
-program: pyroute2 is not in the guest image, and importing it there would cost about a
-second of every pod's boot under TCG (it costs 0.12 s on the host), for a handful of
-netlink requests made once per pod. busybox `ip` has no `nodad`: IPv6 addresses skip
-duplicate address detection through the interface's `accept_dad` sysctl instead (the
-host's namespace already owns them; waiting for DAD would only delay the pod).
+The changes are rtnetlink requests the agent makes itself (rtnetlink.py), each written as
+the `ip` command that would make it. IPv6 addresses skip duplicate address detection
+through the interface's `accept_dad` sysctl (the host's namespace already owns them;
+waiting for DAD would only delay the pod).
 
 `plan()` is pure (the request and the guest's devices in, the steps out); `configure()`
 carries the steps out. Every step is idempotent (`replace`, not `add`), so the whole is."""
@@ -24,32 +22,30 @@ from typing import NoReturn  # asyncio loads typing anyway
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.ttrpc import Code, TtrpcError
 
-from .reaper import run
+from .rtnetlink import AddressReplace, LinkSet, Netlink, Request, RouteReplace
 
 log = logging.getLogger("podvm.agent")
 
-BUSYBOX = "/bin/busybox"
 SYS_NET = "/sys/class/net"
 ARPHRD_ETHER = "1"
 IFNAMSIZ = 16
 SCOPES = {"": "global", "universe": "global", "global": "global", "site": "site",
           "link": "link", "host": "host"}
-"""The model's scope names as busybox `ip` spells them (it has no "universe")."""
+"""The model's scope names as `ip` spells them (rtnetlink.SCOPES has no "universe")."""
 
 
 @dataclass(frozen=True)
 class Step:
     subject: str
     """What the step configures, for its error: "interface eth0", "route default via..."."""
-    argv: tuple[str, ...] = ()
-    """`ip`'s arguments."""
+    request: Request | None = None
     sysctl: tuple[str, str] | None = None
-    """(path under /proc/sys, value) written instead of running `ip`."""
+    """(path under /proc/sys, value) written instead of a request."""
 
     def __str__(self) -> str:
         if self.sysctl is not None:
             return f"{self.sysctl[0]} = {self.sysctl[1]}"
-        return "ip " + " ".join(self.argv)
+        return str(self.request)
 
 
 def plan(req: pb.ConfigureNetworkRequest, links: dict[str, str]) -> list[Step]:
@@ -81,39 +77,29 @@ def plan(req: pb.ConfigureNetworkRequest, links: dict[str, str]) -> list[Step]:
     origin = dict(renamed)
     for i, (want, now) in enumerate(renamed.items()):
         subject = f"interface {want} ({now} in the guest)"
-        steps.append(Step(subject, ("link", "set", "dev", now, "down")))
+        steps.append(Step(subject, LinkSet(now, up=False)))
         if clash:
             temporary = f"podvm-rename{i}"
-            steps.append(Step(subject, ("link", "set", "dev", now, "name", temporary)))
+            steps.append(Step(subject, LinkSet(now, name=temporary)))
             renamed[want] = temporary
     for want, now in renamed.items():
         steps.append(Step(f"interface {want} ({origin[want]} in the guest)",
-                          ("link", "set", "dev", now, "name", want)))
+                          LinkSet(now, name=want)))
     for itf in req.interfaces:
         subject = f"interface {itf.name}"
         if any(":" in a.address for a in itf.addresses):
             steps.append(Step(subject, sysctl=(f"net/ipv6/conf/{itf.name}/accept_dad", "0")))
-        mtu = ("mtu", str(itf.mtu)) if itf.mtu else ()
-        steps.append(Step(subject, ("link", "set", "dev", itf.name, *mtu, "up")))
+        steps.append(Step(subject, LinkSet(itf.name, up=True, mtu=itf.mtu)))
         for a in itf.addresses:
             steps.append(Step(f"address {a.address}/{a.prefix_len} on {itf.name}",
-                              ("addr", "replace", f"{a.address}/{a.prefix_len}", "dev",
-                               itf.name)))
+                              AddressReplace(itf.name, a.address, a.prefix_len)))
     on_link = [r for r in req.routes if not r.gateway]
     via_gateway = [r for r in req.routes if r.gateway]
     for r in on_link + via_gateway:
-        family = ("-6",) if ":" in r.destination else ()
-        argv = [*family, "route", "replace", r.destination]
-        if r.gateway:
-            argv += ["via", r.gateway]
-        argv += ["dev", r.device]
-        if r.scope and SCOPES.get(r.scope, r.scope) != "global":
-            argv += ["scope", SCOPES.get(r.scope, r.scope)]
-        if r.source:
-            argv += ["src", r.source]
-        if r.metric:
-            argv += ["metric", str(r.metric)]
-        steps.append(Step(f"route {describe_route(r)}", tuple(argv)))
+        scope = SCOPES.get(r.scope, r.scope) if r.scope else ""
+        steps.append(Step(f"route {describe_route(r)}", RouteReplace(
+            r.destination, r.device, r.gateway, "" if scope == "global" else scope,
+            r.source, r.metric)))
     return steps
 
 
@@ -123,11 +109,12 @@ def describe_route(r: pb.NetworkRoute) -> str:
 
 async def configure(req: pb.ConfigureNetworkRequest) -> None:
     """Carry out `plan(req, <the guest's devices>)`; the first step that fails ends it
-    with an error that names what it configured and quotes `ip`."""
+    with an error that names what it configured and the kernel's answer."""
     started = time.monotonic()
     steps = plan(req, links())
-    for step in steps:
-        await _apply(step)
+    with Netlink() as netlink:
+        for step in steps:
+            _apply(netlink, step)
     log.info("network: %s configured (%d addresses, %d routes) in %.3fs, %d steps",
              ", ".join(i.name for i in req.interfaces),
              sum(len(i.addresses) for i in req.interfaces), len(req.routes),
@@ -149,22 +136,19 @@ def links() -> dict[str, str]:
     return found
 
 
-async def _apply(step: Step) -> None:
-    if step.sysctl is not None:
-        path, value = step.sysctl
-        try:
+def _apply(netlink: Netlink, step: Step) -> None:
+    try:
+        if step.sysctl is not None:
+            path, value = step.sysctl
             with open(f"/proc/sys/{path}", "w") as f:
                 f.write(value)
-        except OSError as exc:
-            raise TtrpcError(Code.FAILED_PRECONDITION,
-                             f"guest network, {step.subject}: {step}: {exc}") from None
-        return
-    status, _, stderr = await run([BUSYBOX, "ip", *step.argv])
-    if status != 0:
-        said = stderr.decode(errors="replace").strip() or "(nothing on stderr)"
+        else:
+            assert step.request is not None
+            netlink.apply(step.request)
+    except OSError as exc:
         raise TtrpcError(Code.FAILED_PRECONDITION,
-                         f"guest network, {step.subject}: `{step}` failed (exit {status}): "
-                         f"{said!r}")
+                         f"guest network, {step.subject}: `{step}` failed: "
+                         f"{exc.strerror or exc}") from None
 
 
 def _validate(req: pb.ConfigureNetworkRequest) -> None:
