@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
@@ -25,7 +25,7 @@ from .hypervisor.qemu import QemuVM
 from .mounts import Mount
 from .network import remote
 from .network.errors import NetworkError
-from .network.model import TapNic
+from .network.model import PodNetwork, TapNic
 from .podstate import PodState, VMReport, state_path
 from .processes import start_time
 from .resources import Host, PlanDelta, SandboxPlan
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .network.portforward import PortForwarder
 
 log = logging.getLogger("podvm.sandbox")
+T = TypeVar("T")
 
 
 class Sandbox:
@@ -102,18 +103,14 @@ class Sandbox:
                     nic.close()
             self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
             self.agent = Agent.of_vm(self.vm)
-            await self.cgroup.place(self.vm)
-            await self.pin()
-            self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
-            info = await self.agent.ping(timeout=q.boot_timeout)
+            # Independent steps, the host's and the guest's, at once (the agent takes
+            # the network before it has answered the ping: one round trip less).
             network = self.state.network
-            if network is not None and network.interfaces:
-                started = time.monotonic()
-                await self.agent.configure_network(network)
-                log.info("sandbox %s: guest network configured in %.2fs", self.id,
-                         time.monotonic() - started)
-            if self.netns:
-                await self._forward_ports()
+            info, *_ = await _together(
+                self.agent.ping(timeout=q.boot_timeout), self._place_threads(),
+                *([self._configure_guest_network(network, q.boot_timeout)]
+                  if network is not None and network.interfaces else []),
+                *([self._forward_ports()] if self.netns else []))
         except BaseException as exc:
             # QEMU dying after launch shows up as a broken agent or QMP call: say how
             # QEMU ended instead, in its own words.
@@ -128,6 +125,21 @@ class Sandbox:
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+
+    async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
+        """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""
+        assert self.agent is not None
+        started = time.monotonic()
+        await self.agent.configure_network(network, timeout)
+        log.info("sandbox %s: guest network configured in %.2fs", self.id,
+                 time.monotonic() - started)
+
+    async def _place_threads(self) -> None:
+        """QEMU's threads into their cgroups by role, the vCPUs pinned, and watched."""
+        assert self.vm is not None
+        await self.cgroup.place(self.vm)
+        await self.pin()
+        self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
 
     async def _attach_network(self, worker: remote.Worker) -> tuple[TapNic, ...]:
         """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
@@ -316,6 +328,19 @@ class Sandbox:
         remove_tree(self.shared_dir)
         remove_tree(self.vm_dir)
         self._record(qemu_pid=0, qemu_start_time=None)
+
+
+async def _together(*steps: Awaitable[T]) -> list[T]:
+    """The steps' results, run concurrently; the first to fail cancels the others (and
+    is waited for) and its exception is raised."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def host() -> Host:
