@@ -25,6 +25,7 @@ from .events import Publisher
 from .flags import Flags
 
 if TYPE_CHECKING:
+    from .network import remote
     from .task.service import TaskService
 
 log = logging.getLogger("podvm.shim")
@@ -79,6 +80,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     gc.enable()
     log.info("serving %s and %s on %s (pid %d, mount namespace %s)", "/".join(TASK_SERVICES),
              SANDBOX_SERVICE, flags.socket, os.getpid(), os.readlink("/proc/self/ns/mnt"))
+    await tasks.start_network_worker(flags.bundle_dir)
     started = time.monotonic()
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)
@@ -114,6 +116,7 @@ class TaskAPI:
         self._shutdown = shutdown
         self._service: TaskService | None = None
         self._bound: list[tuple[ServiceDescriptor, Service]] = []
+        self._network_worker: remote.Worker | None = None
 
     def bind(self, descriptor: ServiceDescriptor, name: str) -> Service:
         """The Task API as `name`: every RPC of `descriptor` (whichever TaskService lacks
@@ -130,11 +133,31 @@ class TaskAPI:
             # Here, not at the top: see the class's docstring.
             from .task.service import TaskService
 
+            worker, self._network_worker = self._network_worker, None
             self._service = TaskService(self._namespace, self._publisher,
-                                        shutdown=self._shutdown)
+                                        shutdown=self._shutdown, network_worker=worker)
             for descriptor, service in self._bound:  # from now on, straight to it
                 service.methods = bind(descriptor, self._service, name=service.name).methods
         return self._service
+
+    async def start_network_worker(self, bundle: str) -> None:
+        """The network worker for the pod whose sandbox container `start` came for, when
+        its spec names the pod's network namespace: started now, while containerd has yet
+        to send the Create that boots the pod, it is ready when the boot needs it."""
+        # Here, not at the top: a daemon without a pod network has no use for them.
+        from .network import remote
+        from .pod.hostns import spec_namespaces
+
+        try:
+            spec = paths.read_spec(bundle)
+        except (OSError, ValueError):
+            return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
+        if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
+            worker = await remote.Worker.start()
+            if self._service is None:
+                self._network_worker = worker
+            else:  # the Create came first, and started its own
+                await worker.close()
 
     async def Connect(self, req: shim_pb2.ConnectRequest,
                       ctx: Context) -> shim_pb2.ConnectResponse:
@@ -152,6 +175,8 @@ class TaskAPI:
         return call
 
     async def close(self) -> None:
+        if self._network_worker is not None:
+            await self._network_worker.close()
         if self._service is not None:
             await self._service.close()
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 from .errors import NamespaceGone, NetworkError
-from ..podstate import dataclass_from_json
 from .model import PodNetwork, TapNic
 
 MAX_REPLY = 1 << 20
@@ -109,6 +108,9 @@ def _request(op: str, netns: str, taps: list[str] | tuple[str, ...]) -> bytes:
 
 
 def _nics(netns: str, reply: dict, fds: list[int]) -> tuple[PodNetwork, tuple[TapNic, ...]]:
+    # Here, not at the top: the daemon starts a worker before it loads the pod's model.
+    from ..podstate import dataclass_from_json
+
     try:
         network = dataclass_from_json(PodNetwork, reply["network"], "the network worker's answer")
         nics, taken = [], 0

@@ -39,13 +39,16 @@ CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 class TaskService:
     def __init__(self, namespace: str, publisher: Publisher,
-                 shutdown: Callable[[], None], slot: PodSlot | None = None) -> None:
+                 shutdown: Callable[[], None], slot: PodSlot | None = None,
+                 network_worker: remote.Worker | None = None) -> None:
+        """`network_worker`: one the daemon started for the pod its first Create boots."""
         self.namespace = namespace
         self.containers: dict[str, Container] = {}
         self.slot = slot or PodSlot()
         self.slot.listen(self)
         self.report = Reporter(publisher, self.slot)
         self._shutdown = shutdown
+        self._network_worker = network_worker
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -120,8 +123,11 @@ class TaskService:
                              f"container {req.id} belongs to sandbox "
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM this "
                              f"shim does not run")
-        # The network worker starts first: its start overlaps the plan and the cgroup.
-        worker = await remote.Worker.start() if spec_namespaces(spec).get("network") else None
+        # The network worker starts first (unless the daemon has started it): its start
+        # overlaps the plan and the cgroup.
+        worker, self._network_worker = self._network_worker, None
+        if worker is None and spec_namespaces(spec).get("network"):
+            worker = await remote.Worker.start()
         try:
             from ..pod.pod import Pod  # the VM machinery loads with a pod's first Create
 
@@ -304,6 +310,8 @@ class TaskService:
 
     async def close(self) -> None:
         """The daemon is exiting: stop the VM if it still runs."""
+        if self._network_worker is not None:
+            await self._network_worker.close()
         for container in list(self.containers.values()):
             for proc in (container.init, *container.execs.values()):
                 await proc.stop_io()

@@ -15,6 +15,7 @@ from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, TtrpcError
 from tests.e2e.taskshim import TASK, spec
+from tests.shim.shimproc import network_workers
 from tests.shim.test_process_contract import wait_gone
 
 from .harness import KATA_DEFAULT_MEMORY, MIB, NS, cgroup_exists, sandbox_shim
@@ -197,21 +198,6 @@ async def test_shutdown_of_a_sandbox_never_started_leaves_nothing(pod) -> None:
     assert not os.path.exists(pod.address.removeprefix("unix://"))
     assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
     assert not cgroup_exists(pod.parent)
-
-
-def network_workers(daemon_pid: int) -> list[int]:
-    """The daemon's children that are network workers."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and \
-                b"shim.network.worker" in cmdline:
-            found.append(int(entry))
-    return found
 
 
 async def test_a_sandbox_stopped_before_start_ends_its_early_network_worker(pod) -> None:

@@ -56,3 +56,18 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+def network_workers(daemon_pid: int) -> list[int]:
+    """The daemon's children that are network workers."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and \
+                b"shim.network.worker" in cmdline:
+            found.append(int(entry))
+    return found

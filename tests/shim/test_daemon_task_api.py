@@ -18,7 +18,8 @@ class FakeTasks:
 
     made: list[FakeTasks] = []
 
-    def __init__(self, namespace: str, publisher: Publisher, shutdown) -> None:
+    def __init__(self, namespace: str, publisher: Publisher, shutdown,
+                 network_worker=None) -> None:
         self.namespace = namespace
         self.closed = False
         FakeTasks.made.append(self)

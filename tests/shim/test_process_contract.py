@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pathlib
 import re
@@ -17,7 +18,7 @@ from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim import paths
 from tests.e2e.containerd import shims_of
 
-from .shimproc import NS, SHIM, alive, daemon_pid, make_bundle, run_shim
+from .shimproc import NS, SHIM, alive, daemon_pid, make_bundle, network_workers, run_shim
 
 TASK = "containerd.task.v2.Task"
 
@@ -236,6 +237,34 @@ async def test_shutdown_exits_and_cleans_up(started) -> None:
     await wait_gone(pid)
     assert not os.path.exists(address.removeprefix("unix://"))
     assert not os.path.exists(f"/run/podvm/{NS}/sb1")
+
+
+async def test_a_sandbox_with_a_network_namespace_gets_its_network_worker_at_start(
+        tmp_path, grpc_address) -> None:
+    """The daemon starts the worker that will bridge the pod's network before the Create
+    that needs it comes; it ends with the daemon, having done nothing."""
+    bundle = make_bundle(tmp_path, "sb1", sandbox_id="sb1")
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["linux"]["namespaces"][0]["path"] = "/var/run/netns/podvm-never-used"
+    (bundle / "config.json").write_text(json.dumps(spec))
+    result = run_shim(bundle, "sb1", "start", grpc_address)
+    assert result.returncode == 0, result.stderr
+    try:
+        pid = daemon_pid(NS, "sb1")
+        deadline = time.monotonic() + 10
+        while not network_workers(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        (worker,) = network_workers(pid)
+        async with await Client.connect(result.stdout.decode()) as c:
+            try:
+                await c.call(TASK, "Shutdown", api.ShutdownRequest(id="sb1"),
+                             api.StateResponse)
+            except Exception:
+                pass  # a connection closed during Shutdown is success for containerd
+        await wait_gone(pid)
+        await wait_gone(worker)
+    finally:
+        run_shim(bundle, "sb1", "delete", grpc_address)
 
 
 async def test_exiting_daemon_leaves_state_a_newer_daemon_owns(started) -> None:
