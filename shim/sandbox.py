@@ -73,8 +73,8 @@ class Sandbox:
         self.state.save(state_path(self.dir))
 
     async def boot(self, network_worker: remote.Worker | None = None) -> None:
-        """`network_worker`: one started ahead for the pod's network (the caller closes
-        it, a no-op once used); a pod with a namespace and none starts its own."""
+        """`network_worker`: the one that bridges the pod's namespace (the caller's to
+        close); None for a pod without one."""
         q = self.config.qemu
         for d in (self.shared_dir, self.vm_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
@@ -93,8 +93,8 @@ class Sandbox:
         self.vm = vm
         try:
             if self.netns:
-                nics = await self._attach_network(
-                    network_worker or await remote.Worker.start())
+                assert network_worker is not None
+                nics = await self._attach_network(network_worker)
                 self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
             try:
                 await self.vm.launch(preexec=self.cgroup.preexec())

@@ -25,8 +25,11 @@ MAX_FDS = 64  # two per interface (tap, vhost-net)
 class Worker:
     def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
         self._proc = proc
-        self._sock: socket.socket | None = sock
-        """Our end of the worker's socket; None once a request went (or it was closed)."""
+        self._sock = sock
+        """Our end of the worker's socket."""
+        self._used = False
+        self._stderr: bytes | None = None
+        """What the worker wrote on stderr, once it has exited and been waited for."""
 
     @classmethod
     async def start(cls) -> Worker:
@@ -54,34 +57,38 @@ class Worker:
         await self._call("detach", netns, taps)
 
     async def close(self) -> None:
-        """End a worker that served no request; a no-op for one that did."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            await self._proc.communicate()
+        """Wait for the worker's exit: one that served no request sees our end close and
+        exits having done nothing. Idempotent."""
+        self._sock.close()
+        if self._stderr is None:
+            _, self._stderr = await self._proc.communicate()
 
     async def _call(self, op: str, netns: str,
                     taps: list[str] | tuple[str, ...] = ()) -> tuple[dict, list[int]]:
-        if self._sock is None:
+        """The worker's answer as soon as it comes: its exit (pyroute2's teardown) is
+        left to close()."""
+        if self._used or self._sock.fileno() < 0:
             raise RuntimeError("a network worker serves one request")
-        sock, self._sock = self._sock, None
-        with sock:
-            try:
-                sock.send(_request(op, netns, taps))
-            except OSError:
-                pass  # it died first: its status and stderr say how
-            _, stderr = await self._proc.communicate()
-            return _answer(sock, op, netns, self._proc.returncode, stderr)
-
-
-async def attach(netns: str) -> tuple[PodNetwork, tuple[TapNic, ...]]:
-    """Worker.attach() in a worker started for it."""
-    return await (await Worker.start()).attach(netns)
+        self._used = True
+        try:
+            self._sock.send(_request(op, netns, taps))
+        except OSError:
+            pass  # it died first: its status and stderr say how
+        await _readable(self._sock)
+        data, fds = _receive(self._sock)
+        if not data:
+            await self.close()
+            raise _no_answer(op, netns, self._proc.returncode, self._stderr or b"")
+        return _reply(netns, data, fds)
 
 
 async def detach(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
     """Worker.detach() in a worker started for it."""
-    await (await Worker.start()).detach(netns, taps)
+    worker = await Worker.start()
+    try:
+        await worker.detach(netns, taps)
+    finally:
+        await worker.close()
 
 
 def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
@@ -96,7 +103,10 @@ def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
             theirs.close()
         ours.send(_request("detach", netns, taps))
         _, stderr = proc.communicate()
-        _answer(ours, "detach", netns, proc.returncode, stderr)
+        data, fds = _receive(ours)
+        if not data:
+            raise _no_answer("detach", netns, proc.returncode, stderr)
+        _reply(netns, data, fds)
 
 
 def _argv(sock: socket.socket) -> list[str]:
@@ -129,19 +139,36 @@ def _nics(netns: str, reply: dict, fds: list[int]) -> tuple[PodNetwork, tuple[Ta
     return network, tuple(nics)
 
 
-def _answer(sock: socket.socket, op: str, netns: str, status: int | None,
-            stderr: bytes) -> tuple[dict, list[int]]:
-    """The worker's one message (it has exited), or its NetworkError raised."""
+async def _readable(sock: socket.socket) -> None:
+    """Until `sock` has a message, or the worker's end is closed."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The worker's one message and its descriptors; b"" when it closed without one."""
     sock.setblocking(False)
     try:
         data, fds, _, _ = socket.recv_fds(sock, MAX_REPLY, MAX_FDS)
     except BlockingIOError:
-        data, fds = b"", []
-    if not data:
-        tail = stderr.decode(errors="replace").strip().splitlines()[-5:]
-        raise NetworkError(netns, f"{op} (network worker)",
-                           f"exited with status {status} without answering"
-                           + (": " + " | ".join(tail) if tail else ""))
+        return b"", []
+    return data, fds
+
+
+def _no_answer(op: str, netns: str, status: int | None, stderr: bytes) -> NetworkError:
+    tail = stderr.decode(errors="replace").strip().splitlines()[-5:]
+    return NetworkError(netns, f"{op} (network worker)",
+                        f"exited with status {status} without answering"
+                        + (": " + " | ".join(tail) if tail else ""))
+
+
+def _reply(netns: str, data: bytes, fds: list[int]) -> tuple[dict, list[int]]:
+    """The worker's answer, or its NetworkError raised."""
     reply = json.loads(data)
     error = reply.get("error")
     if error is not None:

@@ -140,11 +140,13 @@ class Pod:
         Nothing is left behind when it fails."""
         # The worker is for one boot: a boot tried again starts its own.
         worker, self._network_worker = self._network_worker, None
+        if worker is None and self.netns:
+            worker = await remote.Worker.start()
         try:
             await self._boot(worker)
         finally:
             if worker is not None:
-                await worker.close()  # a no-op once used
+                await worker.close()
 
     async def _boot(self, worker: remote.Worker | None) -> None:
         allocator = self._reserve_cpus()

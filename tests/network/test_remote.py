@@ -16,8 +16,16 @@ from tests.network.conftest import POD_MAC, Namespace
 from tests.network.test_attach import assert_nothing_of_podvm
 
 
+async def attach(netns: str):
+    worker = await remote.Worker.start()
+    try:
+        return await worker.attach(netns)
+    finally:
+        await worker.close()
+
+
 async def test_attach_in_a_worker_hands_back_live_taps(pod: Namespace) -> None:
-    network, nics = await remote.attach(pod.path)
+    network, nics = await attach(pod.path)
     try:
         assert network == await read_network(pod.path)
         (nic,) = nics
@@ -37,12 +45,12 @@ async def test_attach_in_a_worker_hands_back_live_taps(pod: Namespace) -> None:
 async def test_worker_errors_come_back_typed(pod: Namespace) -> None:
     pod.ip("link", "add", "tap0_podvm", "type", "bridge")  # in the way of podvm's tap
     with pytest.raises(NetworkError, match="tap0_podvm") as err:
-        await remote.attach(pod.path)
+        await attach(pod.path)
     assert err.value.netns == pod.path and err.value.interface == "eth0"
     pod.ip("link", "delete", "tap0_podvm")
     assert_nothing_of_podvm(pod)
     with pytest.raises(NamespaceGone):
-        await remote.attach("/var/run/netns/podvm-no-such-namespace")
+        await attach("/var/run/netns/podvm-no-such-namespace")
     await remote.detach("/var/run/netns/podvm-no-such-namespace")  # gone: nothing to do
 
 
@@ -79,7 +87,7 @@ def test_the_daemon_side_never_loads_pyroute2() -> None:
 
 
 async def test_detach_without_a_loop_for_delete(pod: Namespace) -> None:
-    _, nics = await remote.attach(pod.path)
+    _, nics = await attach(pod.path)
     for nic in nics:
         nic.close()
     remote.detach_now(pod.path, ["tap0_podvm"])
