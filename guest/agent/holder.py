@@ -5,9 +5,10 @@ TCG), and holds the namespaces of a pod made through the Sandbox API, which has 
 
 busybox `unshare --fork` makes the namespaces and forks a shell into them; the shell
 waits in a loop, so orphans reparented to it are reaped, and exits on SIGTERM/SIGINT.
-Given a hostname (the pod's), busybox `nsenter` sets it in the new uts namespace before
-the holder is handed back, so that no container joins it unnamed; the pod's sysctls are
-set in its namespaces then too (sysctls.py), before any container starts."""
+Given a hostname (the pod's), the shell sets it in its new uts namespace first and only
+then says it is ready (a byte on a pipe), so that no container joins it unnamed; the
+pod's sysctls are set in its namespaces then too (sysctls.py), before any container
+starts."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,17 @@ from podvm_core.ttrpc import Code, TtrpcError
 from . import sysctls as pod_sysctls
 
 from .containers import Process
-from .reaper import REAPER, run
+from .reaper import REAPER
 
 log = logging.getLogger("podvm.agent")
 
 BUSYBOX = "/bin/busybox"
-SCRIPT = f"trap 'exit 0' TERM INT; while :; do {BUSYBOX} sleep 2147483647 & wait; done"
+READY_FD = 3
+# $1: the hostname, or "" to keep the guest's. The byte on READY_FD says the holder is
+# there and named; the shell closes the pipe before anything inherits it.
+SCRIPT = (f"trap 'exit 0' TERM INT; [ -z \"$1\" ] || {BUSYBOX} hostname \"$1\" || exit 1; "
+          f"echo >&{READY_FD}; exec {READY_FD}>&-; "
+          f"while :; do {BUSYBOX} sleep 2147483647 & wait; done")
 CGROUP = "/sys/fs/cgroup/podvm"
 HOST_NAME_MAX = 64
 # unshare forks the holder's shell at once, but under TCG on a crowded host that fork can
@@ -44,8 +50,18 @@ async def start(container_id: str, hostname: str = "",
     if len(hostname.encode()) > HOST_NAME_MAX or "\0" in hostname:
         raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: hostname {hostname!r} "
                          f"is not a hostname (at most {HOST_NAME_MAX} bytes)")
-    argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT]
-    parent = os.posix_spawn(BUSYBOX, argv, {"PATH": "/bin"})
+    argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT,
+            "holder", hostname]
+    # posix_spawn's dup2 clears close-on-exec even where the pipe's end already is fd 3
+    ready, ready_w = os.pipe()
+    try:
+        parent = os.posix_spawn(BUSYBOX, argv, {"PATH": "/bin"},
+                                file_actions=[(os.POSIX_SPAWN_DUP2, ready_w, READY_FD)])
+    except BaseException:
+        os.close(ready)
+        raise
+    finally:
+        os.close(ready_w)
     proc = Process(container_id, "")
 
     def exited(future: asyncio.Future[int]) -> None:
@@ -54,46 +70,56 @@ async def start(container_id: str, hostname: str = "",
         status = future.result()
         proc.set_exited(128 + proc.killed_by if proc.killed_by else status, time.time_ns())
 
-    REAPER.watch(parent).add_done_callback(exited)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline and not proc.exited.is_set():
+    exit_watch = REAPER.watch(parent)
+    exit_watch.add_done_callback(exited)
+    try:
+        said = await asyncio.wait_for(_read_byte(ready), START_TIMEOUT)
+    except asyncio.TimeoutError:
+        said = None
+    finally:
+        os.close(ready)
+    if said is None:
         try:
-            with open(f"/proc/{parent}/task/{parent}/children") as f:
-                children = f.read().split()
-        except OSError:
-            children = []
-        if children:
-            proc.pid = int(children[0])
-            _own_cgroup(container_id, proc.pid)
-            if hostname:
-                await _set_hostname(container_id, proc, hostname)
-            if sysctls:
-                try:
-                    await pod_sysctls.apply(proc.pid, sysctls, f"pod {container_id}")
-                except BaseException:
-                    signal(proc, 9)
-                    raise
-            log.info("pod namespaces for %s held by %d", container_id, proc.pid)
-            return proc
-        await asyncio.sleep(0.005)
-    if proc.exited.is_set():
+            os.kill(parent, 9)  # its exit is reaped by the watch above
+        except ProcessLookupError:
+            pass
+        raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not "
+                         f"start within {START_TIMEOUT} s")
+    if not said:  # the pipe closed unwritten: the holder exited
+        await exit_watch
+        if hostname:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: cannot set the "
+                             f"hostname {hostname!r} (the holder exited with status "
+                             f"{proc.exit_status})")
         raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} exited "
                          f"before it held anything (status {proc.exit_status})")
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        proc.pid = int(f.read().split()[0])
+    _own_cgroup(container_id, proc.pid)
+    if sysctls:
+        try:
+            await pod_sysctls.apply(proc.pid, sysctls, f"pod {container_id}")
+        except BaseException:
+            signal(proc, 9)
+            raise
+    log.info("pod namespaces for %s held by %d", container_id, proc.pid)
+    return proc
+
+
+async def _read_byte(fd: int) -> bytes:
+    """One byte from the pipe `fd` when it comes; b"" when its writers are all gone."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        if not got.done():
+            got.set_result(os.read(fd, 1))
+
+    loop.add_reader(fd, readable)
     try:
-        os.kill(parent, 9)  # its exit is reaped by the watch above
-    except ProcessLookupError:
-        pass
-    raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not start "
-                     f"within {START_TIMEOUT} s")
-
-
-async def _set_hostname(container_id: str, proc: Process, hostname: str) -> None:
-    status, _, stderr = await run([BUSYBOX, "nsenter", "-t", str(proc.pid), "-u", "--",
-                                   BUSYBOX, "hostname", hostname])
-    if status != 0:
-        signal(proc, 9)
-        raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: cannot set the hostname "
-                         f"{hostname!r}: {stderr.decode(errors='replace').strip()!r}")
+        return await got
+    finally:
+        loop.remove_reader(fd)
 
 
 def signal(proc: Process, signum: int) -> None:
