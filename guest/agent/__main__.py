@@ -5,20 +5,13 @@
 from __future__ import annotations
 
 import sys
-import types
+
+from .lazy import defer
 
 sys.modules["ssl"] = None  # type: ignore[assignment]  # no TLS in the guest: asyncio skips it
-
-
-class _Deferred(types.ModuleType):
-    """A module that is only imported if something reads an attribute of it."""
-
-    def __getattr__(self, attr: str) -> object:
-        import importlib  # only when the deferred module is really used
-
-        if sys.modules.get(self.__name__) is self:
-            del sys.modules[self.__name__]
-        return getattr(importlib.import_module(self.__name__), attr)
+# Imported by traceback and linecache (through logging and asyncio), used by neither
+# unless a traceback is printed.
+defer("tokenize", "textwrap")
 
 
 def _defer_python_message() -> None:
@@ -28,9 +21,8 @@ def _defer_python_message() -> None:
     # Before protobuf's other modules load (they are what this defers), so not above.
     from google.protobuf.internal import api_implementation
 
-    name = "google.protobuf.internal.python_message"
-    if api_implementation.Type() == "upb" and name not in sys.modules:
-        sys.modules[name] = _Deferred(name)
+    if api_implementation.Type() == "upb":
+        defer("google.protobuf.internal.python_message")
 
 
 _defer_python_message()

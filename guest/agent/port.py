@@ -3,7 +3,6 @@ in the guest: the port is found by its name in sysfs."""
 from __future__ import annotations
 
 import asyncio
-import glob
 import logging
 import os
 from podvm_core.protocol import AGENT_PORT
@@ -12,11 +11,15 @@ from podvm_core.protocol import AGENT_PORT
 log = logging.getLogger("podvm.agent")
 
 
-def find_port(name: str = AGENT_PORT) -> str:
-    for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
-        with open(name_file) as f:
-            if f.read().strip() == name:
-                return "/dev/" + os.path.basename(os.path.dirname(name_file))
+def find_port(name: str = AGENT_PORT, ports: str = "/sys/class/virtio-ports") -> str:
+    # os.listdir, not glob: glob's fnmatch and re cost the agent's start ~70 ms under TCG
+    for port in os.listdir(ports) if os.path.isdir(ports) else ():
+        try:
+            with open(os.path.join(ports, port, "name")) as f:
+                if f.read().strip() == name:
+                    return "/dev/" + port
+        except FileNotFoundError:
+            continue
     raise FileNotFoundError(f"no virtio-serial port named {name}")
 
 

@@ -2,7 +2,6 @@
 and each container's cgroup v2 statistics."""
 from __future__ import annotations
 
-import glob
 import os
 
 from podvm_core.cpulist import parse_cpu_list
@@ -30,6 +29,8 @@ def online_hotplugged(cpus: int = 0) -> None:
     """Bring up memory blocks that arrived offline, and CPUs: all of them, or exactly the
     first `cpus` (the host shrinks a VM by taking vCPUs offline here: unplugging them
     crashes QEMU 7.2 under TCG on its next hot-plug)."""
+    import glob  # only now: the agent's start does without glob and fnmatch
+
     for path in glob.glob("/sys/devices/system/memory/memory[0-9]*/online"):
         _set(path, "1")
     for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/online"):  # cpu0 has none
