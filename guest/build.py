@@ -105,6 +105,9 @@ KEEP_ENCODINGS = {"__init__", "aliases", "utf_8", "utf_8_sig", "latin_1", "ascii
                   "raw_unicode_escape", "unicode_escape", "utf_16", "utf_32", "punycode"}
 AGENT_DIR = "/opt/podvm"
 INIT = pathlib.Path(__file__).resolve().parent / "init"
+# The root's mounts, which its /init makes with one `mount -a` (a process each costs
+# tens of ms under TCG).
+FSTAB = pathlib.Path(__file__).resolve().parent / "fstab"
 INITRAMFS_INIT = pathlib.Path(__file__).resolve().parent / "initramfs-init"
 # virtio-pmem maps the image into the VM's hot-plug area, where a DIMM plugged after it
 # must start on a guest memory block (128 MiB): the image is padded to a whole number of
@@ -153,7 +156,7 @@ def protobuf_version() -> str:
 def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
     pinned = versions([kernel_pkg, *PACKAGES])
     sources = hashlib.sha256()
-    for path in sorted([INIT, INITRAMFS_INIT, pathlib.Path(__file__),
+    for path in sorted([INIT, INITRAMFS_INIT, FSTAB, pathlib.Path(__file__),
                         *(ROOT / "guest").rglob("*.py")]):
         sources.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     for _, (src, _) in enumerate(AGENT_SOURCES):
@@ -222,22 +225,11 @@ def modinfo(path: pathlib.Path, key: str) -> list[str]:
     return found
 
 
-def add_on_demand_modules(modroot: pathlib.Path, staging: pathlib.Path,
-                          release: str) -> list[str]:
-    """ON_DEMAND and their dependencies in the root's /lib/modules/<release>, with the
-    modules.dep and modules.alias busybox modprobe reads when the kernel asks for a
-    module (/sbin/modprobe). Returns their names."""
-    kernel = modroot / "kernel"
-    wanted = sorted({p for pattern in ON_DEMAND for p in kernel.glob(pattern)})
-    if not wanted:
-        raise SystemExit(f"none of the on-demand modules is in {kernel}")
-    names = [p.name.removesuffix(".ko") for p in wanted]
-    shipped = module_paths(modroot, names)
-    target = staging / "lib/modules" / release
-    for path in shipped:
-        rel = path.relative_to(modroot)
-        (target / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target / rel)
+def module_tree(modroot: pathlib.Path, shipped: list[pathlib.Path]) -> dict[str, bytes]:
+    """The files of /lib/modules/<release> for `shipped` (which holds what each of them
+    depends on): the modules at their paths in the kernel's tree, and the modules.dep,
+    modules.alias and modules.builtin busybox modprobe reads, to load a list of them in
+    one process (/init) or one the kernel asks for (/sbin/modprobe)."""
     rel_of = {p.name.removesuffix(".ko").replace("-", "_"): str(p.relative_to(modroot))
               for p in shipped}
 
@@ -256,16 +248,29 @@ def add_on_demand_modules(modroot: pathlib.Path, staging: pathlib.Path,
         visit(path)
         return ordered[::-1]
 
-    (target / "modules.dep").write_text("".join(
+    files = {rel: (modroot / rel).read_bytes() for rel in rel_of.values()}
+    files["modules.dep"] = "".join(
         f"{rel_of[name]}: {' '.join(deps(modroot / rel_of[name]))}".rstrip() + "\n"
-        for name in sorted(rel_of)))
-    (target / "modules.alias").write_text("".join(
+        for name in sorted(rel_of)).encode()
+    files["modules.alias"] = "".join(
         f"alias {alias} {name}\n" for name in sorted(rel_of)
-        for alias in modinfo(modroot / rel_of[name], "alias")))
-    shutil.copyfile(modroot / "modules.builtin", target / "modules.builtin")
-    (staging / "sbin").mkdir(exist_ok=True)
-    (staging / "sbin/modprobe").symlink_to("/bin/busybox")
-    return sorted(rel_of)
+        for alias in modinfo(modroot / rel_of[name], "alias")).encode()
+    files["modules.builtin"] = (modroot / "modules.builtin").read_bytes()
+    return files
+
+
+def on_demand_modules(modroot: pathlib.Path) -> list[pathlib.Path]:
+    """ON_DEMAND and their dependencies."""
+    kernel = modroot / "kernel"
+    wanted = sorted({p for pattern in ON_DEMAND for p in kernel.glob(pattern)})
+    if not wanted:
+        raise SystemExit(f"none of the on-demand modules is in {kernel}")
+    return module_paths(modroot, [p.name.removesuffix(".ko") for p in wanted])
+
+
+def module_names(paths: list[pathlib.Path]) -> str:
+    """/etc/podvm-modules: the modules /init loads, on one line for `modprobe -a`."""
+    return " ".join(p.name.removesuffix(".ko") for p in paths) + "\n"
 
 
 def stage_root(debs: list[pathlib.Path], staging: pathlib.Path) -> None:
@@ -329,9 +334,11 @@ def busybox_applets(staging: pathlib.Path) -> list[str]:
             if a != "busybox"]
 
 
-def finish_root(staging: pathlib.Path, modules: list[pathlib.Path]) -> None:
-    """What the root image holds beyond the packages: busybox's applets, /init, the
-    modules the root's /init loads, and mount points (the root is read-only)."""
+def finish_root(staging: pathlib.Path, modroot: pathlib.Path, release: str,
+                modules: list[pathlib.Path], on_demand: list[pathlib.Path]) -> None:
+    """What the root image holds beyond the packages: busybox's applets, /init, its
+    fstab, the modules it loads and those loaded on demand (one tree), and mount points
+    (the root is read-only)."""
     for d in ("dev", "proc", "sys", "tmp", "run", "root", "mnt", "var"):
         (staging / d).mkdir(exist_ok=True)
     (staging / "var/run").symlink_to("/run")
@@ -340,11 +347,15 @@ def finish_root(staging: pathlib.Path, modules: list[pathlib.Path]) -> None:
                    for where in ("bin", "usr/bin", "sbin", "usr/sbin")):
             (staging / "bin" / applet).symlink_to("busybox")
     (staging / "usr/bin/python3").symlink_to("python3.11")
-    moddir = staging / "lib/podvm-modules"
-    moddir.mkdir(parents=True)
-    for mod in modules:
-        shutil.copyfile(mod, moddir / mod.name)
-    (moddir / "order").write_text("".join(f"{m.name}\n" for m in modules))
+    shipped = list(dict.fromkeys([*modules, *on_demand]))
+    for rel, data in module_tree(modroot, shipped).items():
+        target = staging / "lib/modules" / release / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    (staging / "sbin").mkdir(exist_ok=True)
+    (staging / "sbin/modprobe").symlink_to("/bin/busybox")
+    (staging / "etc/podvm-modules").write_text(module_names(modules))
+    shutil.copyfile(FSTAB, staging / "etc/podvm-fstab")
     (staging / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
     (staging / "etc/group").write_text("root:x:0:\n")
     shutil.copyfile(INIT, staging / "init")
@@ -362,8 +373,8 @@ def write_root_image(staging: pathlib.Path, out: pathlib.Path) -> None:
         f.truncate(-(-f.seek(0, 2) // IMAGE_ALIGN) * IMAGE_ALIGN)
 
 
-def write_initrd(busybox: pathlib.Path, applets: list[str], modules: list[pathlib.Path],
-                 out: pathlib.Path) -> None:
+def write_initrd(busybox: pathlib.Path, applets: list[str], modroot: pathlib.Path,
+                 release: str, modules: list[pathlib.Path], out: pathlib.Path) -> None:
     buf = io.BytesIO()
     cpio = CpioWriter(buf)
     for d in ("dev", "proc", "sys", "root"):
@@ -371,10 +382,9 @@ def write_initrd(busybox: pathlib.Path, applets: list[str], modules: list[pathli
     cpio.file("bin/busybox", busybox.read_bytes(), 0o755)
     for applet in applets:
         cpio.symlink(f"bin/{applet}", "busybox")
-    for mod in modules:
-        cpio.file(f"lib/podvm-modules/{mod.name}", mod.read_bytes())
-    cpio.file("lib/podvm-modules/order",
-              "".join(f"{m.name}\n" for m in modules).encode())
+    for rel, data in module_tree(modroot, modules).items():
+        cpio.file(f"lib/modules/{release}/{rel}", data)
+    cpio.file("etc/podvm-modules", module_names(modules).encode())
     cpio.file("init", INITRAMFS_INIT.read_bytes(), 0o755)
     cpio.close()
     out.write_bytes(buf.getvalue())
@@ -409,11 +419,12 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         compile_python(staging)
         (staging / "etc").mkdir(exist_ok=True)
         (staging / "etc/podvm-release").write_text(release + "\n")
-        finish_root(staging, late)
-        on_demand = add_on_demand_modules(modroot, staging, release)
+        demand = on_demand_modules(modroot)
+        finish_root(staging, modroot, release, late, demand)
+        on_demand = sorted(p.name.removesuffix(".ko").replace("-", "_") for p in demand)
         (out / "vmlinux.tmp").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
-        write_initrd(staging / "bin/busybox", busybox_applets(staging), early,
-                     out / "initrd.img.tmp")
+        write_initrd(staging / "bin/busybox", busybox_applets(staging), modroot, release,
+                     early, out / "initrd.img.tmp")
         write_root_image(staging, out / "rootfs.img.tmp")
     for name in OUTPUTS:
         (out / f"{name}.tmp").replace(out / name)

@@ -20,7 +20,8 @@ DIR = "podvm-probe"
 # its PID 1 (the kernel's own helpers, such as modprobe, run there too), with
 # /tmp/podvm-probe holding the test's files.
 INTO_ROOT = f"""mount -t devtmpfs devtmpfs /dev
-while read -r module; do insmod "/lib/podvm-modules/$module"; done < /lib/podvm-modules/order
+read -r modules < /etc/podvm-modules
+modprobe -a $modules
 tries=0
 until [ -b /dev/pmem0 ] || [ $tries -ge 1000 ]; do usleep 10000; tries=$((tries + 1)); done
 mount -t erofs -o ro /dev/pmem0 /root || echo "PROBE cannot mount the root image"
