@@ -252,7 +252,7 @@ def module_tree(modroot: pathlib.Path, shipped: list[pathlib.Path]) -> dict[str,
         visit(path)
         return ordered[::-1]
 
-    files = {rel: (modroot / rel).read_bytes() for rel in rel_of.values()}
+    files = {rel: unsigned((modroot / rel).read_bytes()) for rel in rel_of.values()}
     files["modules.dep"] = "".join(
         f"{rel_of[name]}: {' '.join(deps(modroot / rel_of[name]))}".rstrip() + "\n"
         for name in sorted(rel_of)).encode()
@@ -261,6 +261,21 @@ def module_tree(modroot: pathlib.Path, shipped: list[pathlib.Path]) -> dict[str,
         for alias in modinfo(modroot / rel_of[name], "alias")).encode()
     files["modules.builtin"] = (modroot / "modules.builtin").read_bytes()
     return files
+
+
+SIGNATURE_MAGIC = b"~Module signature appended~\n"
+
+
+def unsigned(module: bytes) -> bytes:
+    """A module without its appended signature: the guest kernel cannot check it (the
+    VM boots without loading the system's certificates, see KERNEL_PARAMS), and would
+    hash the whole module at each load (under TCG) only to find no key."""
+    if not module.endswith(SIGNATURE_MAGIC):
+        return module
+    # struct module_signature (12 bytes) before the magic ends with the signature's size
+    info = len(module) - len(SIGNATURE_MAGIC) - 12
+    sig_len = int.from_bytes(module[info + 8:info + 12], "big")
+    return module[:info - sig_len]
 
 
 def on_demand_modules(modroot: pathlib.Path) -> list[pathlib.Path]:
