@@ -10,8 +10,9 @@ from .lazy import defer
 
 sys.modules["ssl"] = None  # type: ignore[assignment]  # no TLS in the guest: asyncio skips it
 # Imported by traceback and linecache (through logging and asyncio), used by neither
-# unless a traceback is printed.
-defer("tokenize", "textwrap")
+# unless a traceback is printed; calendar by protobuf's well_known_types, for a
+# Timestamp made from a datetime only.
+defer("tokenize", "textwrap", "calendar")
 
 
 def _defer_python_message() -> None:

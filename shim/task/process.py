@@ -29,16 +29,17 @@ def status_of(state: ProcessState) -> int:
     return _STATUS[state]
 
 
-@dataclass(eq=False)
 class Process(Lifecycle):
-    stdin: str = ""
-    stdout: str = ""
-    stderr: str = ""
-    terminal: bool = False
-    process_json: bytes = b""
-    """An exec's OCI Process, kept from Exec until Start."""
-    io: Any = None
-    """The ProcessIO copying its stdio, once the guest process exists."""
+    def __init__(self, container_id: str, exec_id: str = "", pid: int = 0,
+                 state: ProcessState = CREATED, *, stdin: str = "", stdout: str = "",
+                 stderr: str = "", terminal: bool = False, process_json: bytes = b"") -> None:
+        super().__init__(container_id, exec_id, pid, state)
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.terminal = terminal
+        self.process_json = process_json
+        """An exec's OCI Process, kept from Exec until Start."""
+        self.io: Any = None
+        """The ProcessIO copying its stdio, once the guest process exists."""
 
     async def stop_io(self) -> None:
         if self.io is not None:

@@ -35,7 +35,7 @@ def test_the_agent_starts_without_what_it_defers() -> None:
 import sys
 import guest.agent.__main__
 from guest.agent.lazy import Deferred
-for name in ("tokenize", "textwrap"):
+for name in ("tokenize", "textwrap", "calendar"):
     assert isinstance(sys.modules.get(name), Deferred), name
 for name in ("glob", "fnmatch"):
     assert name not in sys.modules, name
