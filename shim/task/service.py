@@ -20,8 +20,6 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 from .. import __version__, paths
 from ..events import Publisher
 from ..mounts import Mount
-from ..network import remote
-from ..pod.hostns import spec_namespaces
 from ..pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ..stdio import ProcessIO, Stdio
 from .bundle import load_config, read_bundle
@@ -30,6 +28,7 @@ from .process import Container, Process, status_of
 
 if TYPE_CHECKING:
     from ..hypervisor import HypervisorError
+    from ..network import remote
     from ..pod.pod import Pod
 
 log = logging.getLogger("podvm.task")
@@ -123,11 +122,9 @@ class TaskService:
                              f"container {req.id} belongs to sandbox "
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM this "
                              f"shim does not run")
-        # The network worker starts first (unless the daemon has started it): its start
-        # overlaps the plan and the cgroup.
+        # The network worker the daemon started for this pod when it came up (the pod's
+        # boot starts one where the daemon has not).
         worker, self._network_worker = self._network_worker, None
-        if worker is None and spec_namespaces(spec).get("network"):
-            worker = await remote.Worker.start()
         try:
             from ..pod.pod import Pod  # the VM machinery loads with a pod's first Create
 
