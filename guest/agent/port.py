@@ -28,7 +28,9 @@ async def open_port(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrit
     loop = asyncio.get_running_loop()
     fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     reader = asyncio.StreamReader(limit=8 << 20)
-    read_file = os.fdopen(fd, "rb", buffering=0, closefd=False)
+    # The read side owns the descriptor: it is closed when the host hangs up, or the port
+    # could not be opened again (a virtio-serial port has one opener: EBUSY).
+    read_file = os.fdopen(fd, "rb", buffering=0)
     write_file = os.fdopen(os.dup(fd), "wb", buffering=0)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), read_file)
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
