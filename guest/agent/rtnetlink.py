@@ -20,7 +20,7 @@ from dataclasses import dataclass
 NLMSG_ERROR = 2
 RTM_NEWLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 20, 24
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_REPLACE, NLM_F_CREATE = 0x1, 0x4, 0x100, 0x400
-IFLA_IFNAME, IFLA_MTU = 3, 4
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU = 1, 3, 4
 IFF_UP = 0x1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_PRIORITY, RTA_PREFSRC = 1, 4, 5, 6, 7
@@ -37,14 +37,17 @@ _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst/src length, tos, tabl
 
 @dataclass(frozen=True)
 class LinkSet:
-    """`ip link set dev DEVICE [mtu MTU] [up|down] [name NAME]`."""
+    """`ip link set dev DEVICE [address MAC] [mtu MTU] [up|down] [name NAME]`."""
     device: str
     up: bool | None = None
     mtu: int = 0
     name: str = ""
+    address: str = ""
+    """aa:bb:cc:dd:ee:ff"""
 
     def __str__(self) -> str:
         return " ".join(["ip link set dev", self.device,
+                         *(["address", self.address] if self.address else []),
                          *(["mtu", str(self.mtu)] if self.mtu else []),
                          *([] if self.up is None else ["up" if self.up else "down"]),
                          *(["name", self.name] if self.name else [])])
@@ -53,6 +56,8 @@ class LinkSet:
         flags = IFF_UP if self.up else 0
         change = IFF_UP if self.up is not None else 0
         body = _IFINFO.pack(socket.AF_UNSPEC, 0, _index(self.device), flags, change)
+        if self.address:
+            body += _attr(IFLA_ADDRESS, bytes.fromhex(self.address.replace(":", "")))
         if self.mtu:
             body += _attr(IFLA_MTU, struct.pack("=I", self.mtu))
         if self.name:

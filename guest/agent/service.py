@@ -55,6 +55,14 @@ class AgentService:
             self._pod_namespaces = await holder.start("pod", req.hostname, req.sysctls)
         return pb.CreatePodNamespacesResponse(pid=self._pod_namespaces.pid)
 
+    async def Resume(self, req: pb.ResumeRequest, ctx: Context) -> Empty:
+        """A guest restored from a template made this pod's (guest/agent/resume.py)."""
+        from . import resume  # a booted guest never needs it
+
+        async with self._network:
+            await resume.resume(req)
+        return Empty()
+
     async def ConfigureNetwork(self, req: pb.ConfigureNetworkRequest, ctx: Context) -> Empty:
         """The guest's interfaces as the pod's (guest/agent/network.py). Idempotent; one
         call at a time."""

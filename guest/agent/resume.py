@@ -1,0 +1,87 @@
+"""A guest restored from a template made this pod's (the shim's ResumeRequest): every pod
+restored from one template wakes with the template's memory, so what must differ between
+pods, or follow the host, is set here before anything else runs: the clock, the kernel's
+random state, the NICs' MACs; and the pod's 9p share, which a template never mounts."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.ttrpc import Code, TtrpcError
+
+from . import network
+from .rtnetlink import LinkSet, Netlink
+
+log = logging.getLogger("podvm.agent")
+
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the CRNG from the input pool now
+FSTAB = "/etc/podvm-fstab"
+SHARE = "/run/podvm/shared"
+MIN_ENTROPY = 32
+
+
+async def resume(req: pb.ResumeRequest) -> None:
+    """INVALID_ARGUMENT for a request that cannot be applied as given (nothing is changed
+    then); FAILED_PRECONDITION when the guest refuses a step (the pod cannot run)."""
+    if len(req.entropy) < MIN_ENTROPY:
+        raise TtrpcError(Code.INVALID_ARGUMENT, f"entropy: {len(req.entropy)} bytes, "
+                         f"at least {MIN_ENTROPY} are needed to reseed the guest's CRNG")
+    if req.realtime_unix_nanos <= 0:
+        raise TtrpcError(Code.INVALID_ARGUMENT, "realtime_unix_nanos must be positive")
+    renames = _mac_renames(req.macs, network.links())
+    time.clock_settime_ns(time.CLOCK_REALTIME, req.realtime_unix_nanos)
+    _reseed(req.entropy)
+    with Netlink() as netlink:
+        for device, mac in renames:
+            try:
+                netlink.apply(LinkSet(device, address=mac))
+            except OSError as exc:
+                raise TtrpcError(Code.FAILED_PRECONDITION,
+                                 f"ip link set dev {device} address {mac}: {exc}") from None
+    await _mount_share()
+    log.info("resumed from a template: clock set, CRNG reseeded, %d MACs, share mounted",
+             len(renames))
+
+
+def _mac_renames(macs, links: dict[str, str]) -> list[tuple[str, str]]:
+    """(device, new MAC) for each change; INVALID_ARGUMENT when a template MAC is none of
+    the guest's devices."""
+    by_mac = {mac: name for name, mac in links.items()}
+    out = []
+    for change in macs:
+        device = by_mac.get(change.template_mac.lower())
+        if device is None:
+            raise TtrpcError(Code.INVALID_ARGUMENT, (
+                f"no guest device has the template's MAC {change.template_mac} (the "
+                f"guest has {', '.join(f'{n} {m}' for n, m in links.items()) or 'none'})"))
+        out.append((device, change.mac.lower()))
+    return out
+
+
+def _reseed(entropy: bytes) -> None:
+    """Mixed into the input pool (a write credits nothing, which is right: the CRNG is
+    already initialized), then the CRNG takes a new key from the pool, as the kernel does
+    itself when a VM generation ID changes."""
+    import fcntl
+
+    fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, entropy)
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
+    finally:
+        os.close(fd)
+
+
+async def _mount_share() -> None:
+    if os.path.ismount(SHARE):
+        return
+    proc = await asyncio.create_subprocess_exec(
+        "mount", "-a", "-T", FSTAB, "-t", "9p", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    if proc.returncode or not os.path.ismount(SHARE):
+        raise TtrpcError(Code.FAILED_PRECONDITION, f"mount of the pod's share at {SHARE} "
+                         f"failed: {out.decode(errors='replace').strip() or proc.returncode}")

@@ -1,0 +1,48 @@
+"""The agent's Resume (guest/agent/resume.py) refuses what it cannot apply whole before
+it changes anything: too little entropy, no clock, a template MAC none of the guest's
+devices has. What it does is seen in a restored guest (tests/e2e/test_templates.py,
+tests/hypervisor/test_template.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from guest.agent import resume
+from podvm_core.pb.agent import agent_pb2 as pb
+from podvm_core.ttrpc import Code, TtrpcError
+
+LINKS = {"eth0": "02:70:6f:64:00:00", "eth1": "02:70:6f:64:00:01"}
+
+
+def change(template_mac: str, mac: str) -> pb.MacChange:
+    return pb.MacChange(template_mac=template_mac, mac=mac)
+
+
+def test_each_template_mac_is_found_whatever_its_case() -> None:
+    assert resume._mac_renames([change("02:70:6F:64:00:01", "0A:58:0A:09:00:05"),
+                                change("02:70:6f:64:00:00", "0a:58:0a:09:00:04")],
+                               LINKS) == [("eth1", "0a:58:0a:09:00:05"),
+                                          ("eth0", "0a:58:0a:09:00:04")]
+
+
+def test_a_template_mac_the_guest_lacks_names_what_it_has() -> None:
+    with pytest.raises(TtrpcError) as err:
+        resume._mac_renames([change("02:70:6f:64:00:07", "0a:58:0a:09:00:05")], LINKS)
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "02:70:6f:64:00:07" in err.value.message and "eth0 02:70:6f:64:00:00" in err.value.message
+
+
+@pytest.mark.parametrize("req, says", [
+    (pb.ResumeRequest(realtime_unix_nanos=time.time_ns(), entropy=b"x" * 31), "entropy"),
+    (pb.ResumeRequest(entropy=b"x" * 64), "realtime_unix_nanos"),
+])
+async def test_a_request_it_cannot_apply_changes_nothing(req, says, monkeypatch) -> None:
+    def changed(*args):
+        raise AssertionError(f"changed something: {args}")
+
+    monkeypatch.setattr(resume.time, "clock_settime_ns", changed)
+    monkeypatch.setattr(resume, "_reseed", changed)
+    with pytest.raises(TtrpcError) as err:
+        await resume.resume(req)
+    assert err.value.code == Code.INVALID_ARGUMENT and says in err.value.message
