@@ -2,6 +2,8 @@
 socket. A lost connection means the guest (or QEMU) is gone: UNAVAILABLE."""
 from __future__ import annotations
 
+import os
+import time
 from typing import TYPE_CHECKING, TypeVar
 
 from google.protobuf.empty_pb2 import Empty
@@ -48,6 +50,15 @@ class Agent:
 
     async def ping(self, timeout: float | None = None) -> pb.PingResponse:
         return await self._call("Ping", pb.PingRequest(), pb.PingResponse, timeout)
+
+    async def resume_restored(self, macs: dict[str, str], timeout: float | None = None) -> None:
+        """A guest restored from a template made this pod's (first call): the host's
+        clock, fresh entropy for its CRNG, `macs` (template MAC -> the pod's) on its
+        NICs, the pod's share mounted."""
+        req = pb.ResumeRequest(realtime_unix_nanos=time.time_ns(), entropy=os.urandom(64),
+                               macs=[pb.MacChange(template_mac=t, mac=m)
+                                     for t, m in macs.items()])
+        await self._call("Resume", req, Empty, timeout)
 
     async def create_container(self, container_id: str, spec_json: bytes, stdio: Stdio,
                                sandbox: bool, pod_holder: bool = False) -> int:

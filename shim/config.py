@@ -35,6 +35,11 @@ class QemuConfig:
     memory_overhead: int = 0
     """MiB the host spends on a pod beyond guest RAM (QEMU, and the shim when it is in
     the sandbox cgroup); 0 = podvm's measured figure for the accel."""
+    enable_template: bool = True
+    """Pods restore a template of their VM's shape instead of booting: the first pod of
+    a shape boots one and saves it (shim/hypervisor/template.py)."""
+    template_path: str = "/var/lib/podvm/templates"
+    """Where templates are kept: one saved state per VM shape and guest image."""
 
     @property
     def vmm_overhead_mib(self) -> int:
@@ -199,6 +204,9 @@ def _check(config: Config, source: str) -> None:
     if q.memory_overhead < 0:
         raise ConfigError(f"{where} memory_overhead is in MiB, 0 for podvm's measured "
                           f"figure, got {q.memory_overhead}")
+    if q.enable_template and not os.path.isabs(q.template_path):
+        raise ConfigError(f"{where} template_path must be an absolute path, got "
+                          f"{q.template_path!r}")
     if q.boot_timeout < 1:
         raise ConfigError(f"{where} boot_timeout must be at least 1 second, "
                           f"got {q.boot_timeout}")

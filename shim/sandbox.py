@@ -20,8 +20,9 @@ from .cleanup import remove_tree
 from .config import Config
 from .cpus import pinning
 from .hostcgroup import HostCgroup, layout_for
-from .hypervisor import VM, HypervisorError, ThreadRole, VMSpec
-from .hypervisor.qemu import QemuVM
+from .hypervisor import VM, HypervisorError, RestoreFailed, ThreadRole, VMSpec
+from .hypervisor import template as templates
+from .hypervisor.qemu import QemuVM, template_mac
 from .mounts import Mount
 from .network import remote
 from .network.errors import NetworkError
@@ -97,12 +98,15 @@ class Sandbox:
                 nics = await self._attach_network(network_worker)
                 self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
             try:
-                await self.vm.launch(preexec=self.cgroup.preexec())
+                restored = await self._launch(vm)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
             self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
             self.agent = Agent.of_vm(self.vm)
+            if restored:  # before anything else is asked of the guest
+                await self.agent.resume_restored(
+                    {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=q.boot_timeout)
             # Independent steps, the host's and the guest's, at once (the agent takes
             # the network before it has answered the ping: one round trip less).
             network = self.state.network
@@ -125,6 +129,38 @@ class Sandbox:
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+
+    async def _launch(self, vm: QemuVM) -> bool:
+        """Start `vm`: restored from its shape's template when there is one (made first
+        when no other pod is making it), else booted; True when restored. self.vm is
+        the VM started (or being started)."""
+        preexec = self.cgroup.preexec()
+        # A static VM is the confidential one: it shares no memory with other pods.
+        if self.config.qemu.enable_template and \
+                not self.config.runtime.static_sandbox_resource_mgmt:
+            template = templates.of(vm.spec)
+            lock = None if template.exists() else template.lock()
+            try:
+                if lock is not None:
+                    try:
+                        await template.make(vm.spec, preexec)
+                    except templates.NotSaved as exc:
+                        log.warning("sandbox %s: %s; booting", self.id, exc)
+                if template.exists():
+                    self.vm = restored = QemuVM(dataclasses.replace(vm.spec, template=True))
+                    try:
+                        await restored.launch(preexec=preexec, restore_from=template.state)
+                        log.info("sandbox %s: VM restored from template %s", self.id,
+                                 template.key)
+                        return True
+                    except RestoreFailed as exc:
+                        template.discard(str(exc))
+            finally:
+                if lock is not None:
+                    lock.release()
+        self.vm = vm
+        await vm.launch(preexec=preexec)
+        return False
 
     async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
         """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""

@@ -62,6 +62,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI a skipped test is a failed run, whatever route it took (pytest.skip,
     a skip mark, an expected failure): every test must run there."""
     _remove_run_namespaces()
+    from tests.vmconfig import remove_templates
+
+    remove_templates()  # the run's (the pods of its shapes made them)
     if IN_CI and _skipped:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

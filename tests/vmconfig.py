@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 from shim.config import Config, QemuConfig, RuntimeConfig
 from tests.conftest import require, require_tool
@@ -12,6 +14,13 @@ from tests.conftest import require, require_tool
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # PODVM_GUEST_DIR: another image (one being built and tried beside the default one)
 GUEST = pathlib.Path(os.environ.get("PODVM_GUEST_DIR") or ROOT / "build" / "guest")
+# The templates pods of this run make and restore (shim/hypervisor/template.py): this
+# process's own, removed by remove_templates() when the run ends.
+TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
+
+
+def remove_templates() -> None:
+    shutil.rmtree(TEMPLATES, ignore_errors=True)
 
 
 def guest_image() -> tuple[str, str]:
@@ -33,7 +42,7 @@ def vm_config(**qemu: object) -> Config:
     fields = dict(kernel=kernel, initrd=initrd, image=root_image(), accel="tcg",
                   default_vcpus=1,
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
-                  boot_timeout=60)
+                  boot_timeout=60, template_path=str(TEMPLATES))
     fields.update(qemu)
     return Config(qemu=QemuConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
 
@@ -44,8 +53,9 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     `runtime`: keys of its [runtime] section."""
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
-    for key in ("kernel", "initrd", "image", "accel"):
+    for key in ("kernel", "initrd", "image", "accel", "template_path"):
         lines.append(f'{key} = "{getattr(q, key)}"')
+    lines.append(f"enable_template = {json.dumps(q.enable_template)}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
                 "boot_timeout"):
         lines.append(f"{key} = {getattr(q, key)}")

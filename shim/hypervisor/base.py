@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import QemuConfig
-from ..network.model import TapNic
+from ..network.model import PlaceholderNic, TapNic
 
 
 class HypervisorError(Exception):
@@ -27,6 +27,10 @@ class VMExited(HypervisorError):
 
 class MissingFile(HypervisorError):
     """The VMM, kernel or initrd the configuration names is not there."""
+
+
+class RestoreFailed(HypervisorError):
+    """QEMU could not load a template's saved state (the VM was stopped)."""
 
 
 class CannotGrow(HypervisorError):
@@ -56,8 +60,12 @@ class VMSpec:
     hypervisor: QemuConfig
     config_source: str = ""
     """Which configuration file set these, for error messages."""
-    nics: tuple[TapNic, ...] = ()
+    nics: tuple[TapNic | PlaceholderNic, ...] = ()
     """The pod's interfaces, bridged to taps whose descriptors QEMU inherits."""
+    template: bool = False
+    """The VM is a template (shim/hypervisor/template.py) or is restored from one: its
+    kernel line says so (the guest leaves its 9p share to the agent's Resume) and its NICs
+    have the template's MACs."""
 
 
 class VM(abc.ABC):

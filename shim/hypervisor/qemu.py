@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import signal
 
 import psutil
@@ -17,8 +18,8 @@ from podvm_core.protocol import AGENT_PORT
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..libc import last_errno, libc
 from ..resources.update import MEMORY_BLOCK_MIB
-from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, ThreadRole, VM,
-                   VMExited, VMSpec)
+from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, RestoreFailed,
+                   ThreadRole, VM, VMExited, VMSpec)
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -48,6 +49,21 @@ KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i
                  "audit=0 lsm=capability nowatchdog swiotlb=noforce noreplace-smp")
 
 
+TEMPLATE_PARAM = "podvm_template=1"
+"""On the kernel line of a template's VM and of those restored from it: an environment
+variable of guest/init (the kernel passes on what it does not know)."""
+
+
+def template_mac(index: int) -> str:
+    """NIC `index`'s MAC in a template (locally administered, "pod" in its middle)."""
+    return f"02:70:6f:64:00:{index:02x}"
+
+
+LOADING = "QEMU was loading the template's state"
+# Both ends of a save: the root image's memory (mapped shared, from a file every VM maps)
+# is not part of the state.
+SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]
+
 PR_SET_THP_DISABLE = 41
 
 
@@ -69,6 +85,7 @@ class QemuVM(VM):
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._booted = False
         self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
+        self._restore_from = ""
 
     @property
     def pid(self) -> int:
@@ -109,11 +126,12 @@ class QemuVM(VM):
         # `vcpus` of them (maxcpus=) and onlines the others when the pod grows: no vCPU
         # thread starts after boot, whatever the cache size.
         maxcpus = max(s.vcpus, s.max_vcpus)
+        append = f"{KERNEL_PARAMS} {TEMPLATE_PARAM}" if s.template else KERNEL_PARAMS
         if q.accel == "tcg":
             accel, cpu, present = "tcg,thread=multi,tb-size=32", "max", maxcpus
-            append = f"{KERNEL_PARAMS} maxcpus={s.vcpus}"
+            append += f" maxcpus={s.vcpus}"
         else:
-            accel, cpu, present, append = "kvm", "host", s.vcpus, KERNEL_PARAMS
+            accel, cpu, present = "kvm", "host", s.vcpus
         return [
             q.path, "-name", f"podvm-{s.sandbox_id},debug-threads=on",
             "-machine", "q35", "-accel", accel, "-cpu", cpu,
@@ -136,7 +154,8 @@ class QemuVM(VM):
                       "multidevs=remap",
             "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}",
             "-pidfile", os.path.join(s.workdir, "qemu.pid"),
-            *(arg for nic in s.nics for arg in nic.qemu_args()),
+            *(arg for nic in s.nics
+              for arg in nic.qemu_args(mac=template_mac(nic.index) if s.template else "")),
         ]
 
     def check_files(self) -> None:
@@ -159,12 +178,15 @@ class QemuVM(VM):
             raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
                               f"qemu-system-x86 package")
 
-    async def launch(self, preexec=None) -> None:
+    async def launch(self, preexec=None, restore_from: str = "") -> None:
+        """`restore_from`: a template's saved state (shim/hypervisor/template.py) that
+        QEMU loads instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
         for path in (self.agent_socket, self.qmp_socket):
             _unlink(path)
-        cmd = self.command()
+        self._restore_from = restore_from
+        cmd = self.command() + (["-incoming", "defer"] if restore_from else [])
         log.info("starting QEMU: %s", " ".join(cmd))
         libc()  # loaded before the fork: the child only calls it
 
@@ -183,6 +205,20 @@ class QemuVM(VM):
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         finally:
             stderr.close()
+        try:
+            await self._guest_up()
+        except HypervisorError as exc:  # QEMU is stopped
+            # QEMU refusing the state ends it with status 1; a kill, a timeout, a crash is
+            # not the template's fault and fails the pod as it would a boot.
+            refused = self._proc.returncode is not None and self._proc.returncode > 0
+            if restore_from and self._boot_stage == LOADING and refused:
+                raise RestoreFailed(f"the template {restore_from} did not restore: {exc}") \
+                    from None
+            raise
+
+    async def _guest_up(self) -> None:
+        """Until the agent's port is open; QEMU stopped and the error said as the user
+        needs it when it does not get there."""
         try:
             async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
                 await self._first_of(self._attach_and_boot(), self._exited_early())
@@ -272,6 +308,15 @@ class QemuVM(VM):
         # side is unconnected reads end-of-file.
         self._boot_stage = "the agent socket of QEMU did not accept"
         self._agent_stream = await asyncio.open_unix_connection(self.agent_socket)
+        if self._restore_from:
+            # The guest's port is open in the state loaded: nothing to wait for after cont.
+            self._boot_stage = LOADING
+            await self._load(self._restore_from)
+            self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
+            await qmp.execute("cont")
+            log.info("guest agent port open (restored from %s)", self._restore_from)
+            self._booted = True
+            return
         with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
             self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
             await qmp.execute("cont")
@@ -282,6 +327,48 @@ class QemuVM(VM):
                     log.info("guest agent port open")
                     self._booted = True
                     return
+
+    async def _load(self, path: str) -> None:
+        """The saved state in `path`, read past the host's page cache (dd with O_DIRECT):
+        what a pod's QEMU reads would otherwise be charged to the first pod's cgroup."""
+        assert self._qmp is not None
+        await self._qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
+        await self._qmp.execute("migrate-incoming", {
+            "uri": f"exec:dd if={shlex.quote(path)} bs=4M iflag=direct status=none"})
+        await self._migration_done("loading")
+
+    async def save(self, path: str) -> None:
+        """Stop the guest and write its state to `path` (created; QEMU's migration stream,
+        without the root image: it is mapped shared, and every VM maps the same file). The
+        file's pages are dropped from the host's page cache once it is on disk."""
+        await self._execute("stop")
+        await self._execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            assert self._qmp is not None
+            self._qmp.send_fd_scm(fd)
+            await self._execute("getfd", {"fdname": "template"})
+            try:
+                await self._execute("migrate", {"uri": "fd:template"})
+            except ExecuteError as exc:
+                raise HypervisorError(f"QEMU refused to save the VM: {exc}") from None
+            await self._migration_done("saving")
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    async def _migration_done(self, doing: str) -> None:
+        while True:
+            state = await self._execute("query-migrate")
+            status = state.get("status")  # type: ignore[union-attr]
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise (RestoreFailed if doing == "loading" else HypervisorError)(
+                    f"QEMU failed {doing} the VM's state: "
+                    f"{state.get('error-desc', status)}")  # type: ignore[union-attr]
+            await asyncio.sleep(0.005)
 
     def _boot_timeout_message(self) -> str:
         q = self.spec.hypervisor

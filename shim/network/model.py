@@ -80,6 +80,13 @@ class PodNetwork:
         raise KeyError(name)
 
 
+def nic_device(index: int, mac: str, mtu: int) -> str:
+    """QEMU's virtio-net device on netdev `net<index>`. `romfile=` (empty): no iPXE option
+    ROM, which a guest booted from its kernel never runs (less guest memory, no ipxe-qemu
+    needed)."""
+    return f"virtio-net-pci,netdev=net{index},mac={mac},host_mtu={mtu},romfile="
+
+
 @dataclass(frozen=True)
 class TapNic:
     """One interface of the pod bridged to a tap: what QEMU needs to give the guest a NIC
@@ -100,24 +107,40 @@ class TapNic:
 
     @property
     def netdev_id(self) -> str:
-        return f"net{self.index}"
+        return f"net{self.index}"  # as nic_device() names it
 
     @property
     def fds(self) -> tuple[int, ...]:
         """For QEMU's `pass_fds`."""
         return (self.tap_fd,) if self.vhost_fd is None else (self.tap_fd, self.vhost_fd)
 
-    def qemu_args(self) -> list[str]:
-        """The netdev and the device. `romfile=` (empty): no iPXE option ROM, which a
-        guest booted from its kernel never runs (less guest memory, no ipxe-qemu needed)."""
+    def qemu_args(self, mac: str = "") -> list[str]:
+        """The netdev and the device; `mac`: the device's instead of the pod's (a VM
+        restored from a template has the template's until the agent sets the pod's)."""
         netdev = f"tap,id={self.netdev_id},fd={self.tap_fd}"
         if self.vhost_fd is not None:
             netdev += f",vhost=on,vhostfd={self.vhost_fd}"
-        device = (f"virtio-net-pci,netdev={self.netdev_id},mac={self.mac},"
-                  f"host_mtu={self.mtu},romfile=")
-        return ["-netdev", netdev, "-device", device]
+        return ["-netdev", netdev, "-device", nic_device(self.index, mac or self.mac, self.mtu)]
 
     def close(self) -> None:
         """Close the shim's copies (idempotence is the caller's: call it once)."""
         for fd in self.fds:
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class PlaceholderNic:
+    """A NIC with nothing behind it, for a template VM: the pods restored from the
+    template bring the taps. Same device as TapNic's. Its backend is a UDP socket on
+    loopback (to the discard port; the template's guest never brings the link up): a
+    hub port of its own hangs QEMU 7.2 before the guest's first word."""
+    index: int
+    mtu: int
+    fds: tuple[int, ...] = ()
+
+    def qemu_args(self, mac: str) -> list[str]:
+        return ["-netdev", f"socket,id=net{self.index},udp=127.0.0.1:9,localaddr=127.0.0.1:0",
+                "-device", nic_device(self.index, mac, self.mtu)]
+
+    def close(self) -> None:
+        pass

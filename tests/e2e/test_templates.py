@@ -1,0 +1,174 @@
+"""Templates (shim/hypervisor/template.py) through the CRI, as a user sees them: the first
+podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
+it and is the pod it asked for: the host's clock, its own MAC on its own network (served
+over HTTP to the host), its containers on its own 9p share. A template that no longer
+restores is discarded and the pod boots instead.
+
+The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
+wait is bounded."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import require, require_root, require_tool
+from tests.vmconfig import guest_image, write_test_config
+
+from . import bridgenet
+from .containerd import Containerd, shims_of
+from .cri import Crictl, write_config
+from .netpods import (fetch_from_host, httpd_script, pod_ip, pod_network_config, url,
+                      wait_for_port)
+from .test_crictl import run_container
+
+CLOCK_SLACK = 3.0
+"""Seconds the guest's clock may differ from the host's (exec and scheduling under TCG)."""
+TEMPLATE_AGE = 8.0
+"""Seconds a template is at least old when the next pod restores it: without Resume its
+clock would be behind by that much."""
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    require_root()
+    for tool in ("containerd", "ctr"):
+        require_tool(tool, "containerd")
+    require_tool("busybox", "busybox-static")
+    missing = bridgenet.missing_prerequisites()
+    require(not missing, ", ".join(missing))
+    guest_image()
+    workdir = tmp_path_factory.mktemp("templates")
+    config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"))
+    c = Containerd(workdir / "containerd", namespace="podvm-template-test", cri=True,
+                   podvm_config=config)
+    c.start()
+    c.templates = workdir / "store"  # type: ignore[attr-defined]
+    try:
+        c.import_cri_images(image_cache)
+        yield c
+    finally:
+        c.stop()
+    assert c.forced == [], f"stop() had to force: {c.forced}"
+    assert shims_of(c.address) == []
+
+
+@pytest.fixture(scope="module")
+def crictl(ctd) -> Crictl:
+    return Crictl(ctd.cri_endpoint, timeout="180s")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("template-configs")
+
+
+def templates(ctd: Containerd) -> dict[str, dict]:
+    """key -> metadata of the templates in the test's store."""
+    store = ctd.templates  # type: ignore[attr-defined]
+    found = {}
+    for meta in store.glob("*.json") if store.is_dir() else ():
+        found[meta.stem] = json.loads(meta.read_text())
+        assert (store / f"{meta.stem}.vmstate").stat().st_size > 0
+    return found
+
+
+def run_pod(ctd: Containerd, crictl: Crictl, configs: pathlib.Path, name: str) -> tuple[str, pathlib.Path]:
+    pod_file = write_config(configs, f"{name}.json", pod_network_config(ctd, configs, name))
+    return crictl.runp(pod_file, runtime="podvm"), pod_file
+
+
+def remove_pod(crictl: Crictl, pod_id: str) -> None:
+    crictl.run("stopp", pod_id)
+    crictl.run("rmp", pod_id)
+
+
+def shim_lines(ctd: Containerd, pod_id: str, needle: str) -> list[str]:
+    return [line for line in ctd.log().splitlines() if pod_id in line and needle in line]
+
+
+def netns_mac(crictl: Crictl, pod_id: str, ifname: str = "eth0") -> str:
+    """The MAC CNI gave `ifname` in the pod's namespace on the host."""
+    namespaces = crictl.inspectp(pod_id)["info"]["runtimeSpec"]["linux"]["namespaces"]
+    path = next(n["path"] for n in namespaces if n["type"] == "network")
+    done = subprocess.run(["nsenter", f"--net={path}", "ip", "-j", "link", "show", ifname],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)[0]["address"]
+
+
+def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
+        ctd, crictl, configs) -> None:
+    first, _ = run_pod(ctd, crictl, configs, "tpl-first")
+    try:
+        made = templates(ctd)
+        assert len(made) == 1, made
+        key = next(iter(made))
+        assert shim_lines(ctd, first, f"VM restored from template {key}"), \
+            "the first pod restores the template it made"
+        assert made[key]["made_by"] == first
+        # The template is old enough that a clock left as saved would show it.
+        saved = (ctd.templates / f"{key}.vmstate").stat().st_mtime  # type: ignore[attr-defined]
+        time.sleep(max(0.0, saved + TEMPLATE_AGE - time.time()))
+
+        second, pod_file = run_pod(ctd, crictl, configs, "tpl-second")
+        try:
+            assert shim_lines(ctd, second, f"VM restored from template {key}")
+            assert len(templates(ctd)) == 1, "the second pod made no template of its own"
+            cid = run_container(crictl, configs, second, pod_file, "tpl-web",
+                                httpd_script("restored"))
+            # Its own network: the pod's MAC on the guest's eth0, HTTP from the host.
+            guest = crictl.exec(cid, "cat", "/sys/class/net/eth0/address", timeout=30)
+            assert guest.exit_code == 0, guest.stderr
+            assert guest.stdout.strip() == netns_mac(crictl, second)
+            wait_for_port(crictl, cid)
+            assert fetch_from_host(url(pod_ip(crictl, second))).strip() == "restored"
+            # The host's clock, not the template's.
+            date = crictl.exec(cid, "date", "+%s", timeout=30)
+            assert date.exit_code == 0, date.stderr
+            assert abs(int(date.stdout) - time.time()) <= CLOCK_SLACK, \
+                f"guest clock {date.stdout.strip()}, host {time.time():.0f}"
+            # Its containers are on the pod's own 9p share.
+            mounts = crictl.exec(cid, "cat", "/proc/mounts", timeout=30)
+            assert mounts.exit_code == 0, mounts.stderr
+            assert " / 9p " in mounts.stdout, mounts.stdout
+        finally:
+            remove_pod(crictl, second)
+    finally:
+        remove_pod(crictl, first)
+
+
+def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
+        ctd, crictl, configs) -> None:
+    made = templates(ctd)
+    if not made:  # alone (-k): the first pod makes it
+        pod, _ = run_pod(ctd, crictl, configs, "tpl-maker")
+        remove_pod(crictl, pod)
+        made = templates(ctd)
+    assert len(made) == 1
+    key = next(iter(made))
+    state = ctd.templates / f"{key}.vmstate"  # type: ignore[attr-defined]
+    with open(state, "r+b") as f:  # what a full disk or a torn copy leaves
+        f.truncate(os.path.getsize(state) // 2)
+
+    pod, pod_file = run_pod(ctd, crictl, configs, "tpl-broken")
+    try:
+        assert shim_lines(ctd, pod, "discarded"), "the broken template is discarded"
+        assert not shim_lines(ctd, pod, "VM restored from template")
+        assert key not in templates(ctd)
+        cid = run_container(crictl, configs, pod, pod_file, "tpl-after", "sleep 600")
+        r = crictl.exec(cid, "true", timeout=30)
+        assert r.exit_code == 0, r.stderr
+    finally:
+        remove_pod(crictl, pod)
+    # The next pod of the shape makes a new one and is restored from it.
+    pod, _ = run_pod(ctd, crictl, configs, "tpl-remade")
+    try:
+        assert list(templates(ctd)) == [key]
+        assert shim_lines(ctd, pod, f"VM restored from template {key}")
+    finally:
+        remove_pod(crictl, pod)
