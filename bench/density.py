@@ -158,7 +158,8 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="podvm-density-") as tmp:
         work = pathlib.Path(tmp)
-        config = write_test_config(work / "podvm.toml", accel=args.accel)
+        config = write_test_config(work / "podvm.toml", accel=args.accel,
+                                   template_path=str(work / "templates"))
         with Containerd(work / "containerd", namespace="podvm-density", cri=True,
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)

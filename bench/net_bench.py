@@ -206,7 +206,8 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="podvm-net-bench-") as tmp:
         work = pathlib.Path(tmp)
-        config = write_test_config(work / "podvm.toml", accel=args.accel)
+        config = write_test_config(work / "podvm.toml", accel=args.accel,
+                                   template_path=str(work / "templates"))
         ctd = Containerd(work / "containerd", namespace="podvm-net-bench", cri=True,
                          podvm_config=config)
         with ctd:
