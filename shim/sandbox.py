@@ -98,15 +98,20 @@ class Sandbox:
                 nics = await self._attach_network(network_worker)
                 self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
             try:
-                restored = await self._launch(vm)
+                template = await self._launch(vm)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
             self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
             self.agent = Agent.of_vm(self.vm)
-            if restored:  # before anything else is asked of the guest
-                await self.agent.resume_restored(
-                    {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=q.boot_timeout)
+            if template is not None:  # before anything else is asked of the guest
+                try:
+                    await self.agent.resume_restored(
+                        {template_mac(n.index): n.mac for n in vm.spec.nics},
+                        timeout=q.boot_timeout)
+                except Exception as exc:
+                    template.discard(f"the guest restored from it did not resume: {exc}")
+                    raise
             # Independent steps, the host's and the guest's, at once (the agent takes
             # the network before it has answered the ping: one round trip less).
             network = self.state.network
@@ -130,10 +135,10 @@ class Sandbox:
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
 
-    async def _launch(self, vm: QemuVM) -> bool:
+    async def _launch(self, vm: QemuVM) -> templates.Template | None:
         """Start `vm`: restored from its shape's template when there is one (made first
-        when no other pod is making it), else booted; True when restored. self.vm is
-        the VM started (or being started)."""
+        when no other pod is making it), else booted; the template restored, None when
+        booted. self.vm is the VM started (or being started)."""
         preexec = self.cgroup.preexec()
         # A static VM is the confidential one: it shares no memory with other pods.
         if self.config.qemu.enable_template and \
@@ -152,7 +157,7 @@ class Sandbox:
                         await restored.launch(preexec=preexec, restore_from=template.state)
                         log.info("sandbox %s: VM restored from template %s", self.id,
                                  template.key)
-                        return True
+                        return template
                     except RestoreFailed as exc:
                         template.discard(str(exc))
             finally:
@@ -160,7 +165,7 @@ class Sandbox:
                     lock.release()
         self.vm = vm
         await vm.launch(preexec=preexec)
-        return False
+        return None
 
     async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
         """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""

@@ -3,8 +3,8 @@ of that shape. Under TCG the guest's boot (kernel, init, the agent's Python) is 
 pod's start; restoring its saved state is ~0.5 s, and the restored VM has translated
 only what it runs after (a smaller TCG cache).
 
-A template is the whole VM (QEMU's migration stream) saved when its agent has answered
-once and nothing of any pod is in it: no 9p share mounted (QEMU cannot save a VM whose
+A template is the whole VM (QEMU's migration stream) saved when its agent has opened its
+port (the host connected, nothing sent) and nothing of any pod is in it: no 9p share mounted (QEMU cannot save a VM whose
 9p export is mounted), NICs with the template's MACs on hub ports with nothing behind
 them. QEMU can restore a state only into a VM made the same way, so a template serves
 the VMs whose command line is the same but for what the restore brings (paths, the
@@ -25,7 +25,6 @@ dd reading past the page cache, so a pod is charged what its own VM uses, not an
 reads."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import fcntl
 import hashlib
@@ -42,11 +41,8 @@ from .qemu import QemuVM
 
 log = logging.getLogger("podvm.template")
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when what a template holds changes in a way its key does not show."""
-ANSWER_GRACE = 0.3
-"""Seconds the template's agent gets, after the host hangs up, to close its port and
-wait for the next host: saved in that state, a restored agent serves the pod's at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +82,21 @@ class Template:
         return _Lock(fd)
 
     async def make(self, spec: VMSpec, preexec: Callable[[], None] | None) -> None:
-        """Boot `spec`'s VM as a template, let its agent answer once, save it. The VM
+        """Boot `spec`'s VM as a template until its agent opens its port, save it. The VM
         runs in `workdir`-template beside the pod's and is gone afterwards; the files
         appear whole or not at all. The VM's boot failing raises what a boot raises (a
         pod would fail the same way); NotSaved when it booted but could not be saved."""
-        from ..agent import Agent  # the agent's client: only when a template is made
-
         started = time.monotonic()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         vm = QemuVM(template_spec(spec))
         tmp = f"{self.state}.{os.getpid()}.tmp"
         try:
             await vm.launch(preexec=preexec)
-            agent = Agent.of_vm(vm)
-            try:
-                await agent.ping(timeout=spec.hypervisor.boot_timeout)
-            finally:
-                await agent.close()
-            await asyncio.sleep(ANSWER_GRACE)
+            # Saved with the host still connected and nothing ever sent: the agent waits
+            # on its first stream, which the restored pod's host continues (a host that
+            # hung up first leaves the agent closing and opening its port, a state whose
+            # restore can lose the first request).
+            _, writer = vm.take_agent_stream()
             try:
                 await vm.save(tmp)
                 with open(f"{self.meta}.tmp", "w") as f:
@@ -115,12 +108,15 @@ class Template:
             except (OSError, HypervisorError) as exc:
                 raise NotSaved(f"template {self.key} not saved in {self.directory}: "
                                f"{exc}") from None
+            finally:
+                writer.close()
         finally:
             await vm.stop(timeout=2)
             for path in (tmp, f"{self.meta}.tmp"):
                 _unlink(path)
             remove_tree(vm.spec.workdir)
-        log.info("template %s made in %.2fs (%d MiB)", self.key, time.monotonic() - started,
+        log.info("template %s made by sandbox %s in %.2fs (%d MiB)", self.key,
+                 spec.sandbox_id, time.monotonic() - started,
                  os.path.getsize(self.state) >> 20)
         prune(self.directory)
 
