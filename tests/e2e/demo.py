@@ -39,11 +39,24 @@ def say(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
+def how_started(ctd: Containerd, pod_id: str) -> str:
+    """What the pod's shim said of its VM in containerd's log."""
+    said = [line for line in ctd.log().splitlines() if pod_id in line]
+    restored = any("VM restored from template" in line for line in said)
+    if restored and any(f"made by sandbox {pod_id}" in line for line in said):
+        return "its guest booted, saved as the template of its shape, then restored"
+    if restored:
+        return "its VM restored from the template of its shape, not booted"
+    return "its VM booted"
+
+
 def main() -> int:
     accel = os.environ.get("PODVM_DEMO_ACCEL", "tcg")
     with tempfile.TemporaryDirectory(prefix="podvm-demo-") as tmp:
         work = pathlib.Path(tmp)
-        config = write_test_config(work / "podvm.toml", accel=accel)
+        templates = work / "templates"  # the demo's own: gone with its directory
+        config = write_test_config(work / "podvm.toml", accel=accel,
+                                   template_path=str(templates))
         say(f"private containerd in {work} (podvm configuration {config}, accel={accel})")
         with Containerd(work / "containerd", namespace="podvm-demo", cri=True,
                         podvm_config=config) as ctd:
@@ -56,7 +69,8 @@ def main() -> int:
             say(f"crictl runp --runtime podvm {pod_file}")
             started = time.monotonic()
             pod_id = crictl.runp(pod_file, runtime="podvm")
-            print(f"pod {pod_id[:13]} ready in {time.monotonic() - started:.1f}s")
+            print(f"pod {pod_id[:13]} ready in {time.monotonic() - started:.1f}s "
+                  f"({how_started(ctd, pod_id)})")
             pod_ids = [pod_id]
             ids = []
             for name, then in (("web", httpd_script(PAGE)), ("worker", "sleep 600")):
@@ -79,7 +93,7 @@ def main() -> int:
             client_pod = crictl.runp(client_file, runtime="podvm")
             pod_ids.append(client_pod)
             print(f"second podvm pod {client_pod[:13]} ready in "
-                  f"{time.monotonic() - started:.1f}s")
+                  f"{time.monotonic() - started:.1f}s ({how_started(ctd, client_pod)})")
             cfile = write_config(work, "client.json", container_config("client", "sleep 600"))
             client = crictl.create(client_pod, cfile, client_file)
             crictl.start(client)
