@@ -110,7 +110,8 @@ class Sandbox:
                         {template_mac(n.index): n.mac for n in vm.spec.nics},
                         timeout=q.boot_timeout)
                 except Exception as exc:
-                    template.discard(f"the guest restored from it did not resume: {exc}")
+                    if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
+                        template.discard(f"the guest restored from it did not resume: {exc}")
                     raise
             # Independent steps, the host's and the guest's, at once (the agent takes
             # the network before it has answered the ping: one round trip less).
