@@ -1,7 +1,8 @@
 """Pods in VMs through containerd's CRI: podvm as a user of crictl sees it.
 
 Real containerd (Debian's 1.6), real QEMU under TCG, the real guest image. Every test
-runs with the real crictl too: CRICTL=/path/to/crictl.
+runs with the real crictl too: CRICTL=/path/to/crictl. Here every pod boots its guest
+(enable_template = false): the other end-to-end modules' pods mostly restore templates.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def ctd(tmp_path_factory, image_cache):
         require_tool(tool, "containerd")
     guest_image()
     workdir = tmp_path_factory.mktemp("podvm-cri")
-    config = write_test_config(workdir / "podvm.toml")
+    config = write_test_config(workdir / "podvm.toml", enable_template=False)
     c = Containerd(workdir / "containerd", namespace="podvm-vm-test", cri=True,
                    podvm_config=config)
     c.start()
