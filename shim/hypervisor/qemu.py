@@ -5,6 +5,7 @@ virtio-9p, QMP for control and thread ids."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shlex
@@ -329,12 +330,11 @@ class QemuVM(VM):
                     return
 
     async def _load(self, path: str) -> None:
-        """The saved state in `path`, read past the host's page cache (dd with O_DIRECT):
-        what a pod's QEMU reads would otherwise be charged to the first pod's cgroup."""
+        """The saved state in `path`, read by dd past the host's page cache (see
+        load_command)."""
         assert self._qmp is not None
         await self._qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
-        await self._qmp.execute("migrate-incoming", {
-            "uri": f"exec:dd if={shlex.quote(path)} bs=4M iflag=direct status=none"})
+        await self._qmp.execute("migrate-incoming", {"uri": "exec:" + load_command(path)})
         await self._migration_done("loading")
 
     async def save(self, path: str) -> None:
@@ -541,6 +541,20 @@ class QemuVM(VM):
         if self._proc is None:
             raise HypervisorError("VM was never launched")
         return await self._proc.wait()
+
+
+def load_command(path: str) -> str:
+    """The command QEMU reads a saved state from: dd with O_DIRECT, so that what a pod's
+    QEMU reads is not charged to the cgroup of the first pod that read it (page cache);
+    where the file system has no O_DIRECT (tmpfs), dd drops what it read instead."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
+        how = "iflag=direct"
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # gone meanwhile (discarded by another pod)
+            raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
+        how = "iflag=nocache"
+    return f"dd if={shlex.quote(path)} bs=4M {how} status=none"
 
 
 def _peek_exit(pid: int) -> int | None:

@@ -4,6 +4,7 @@ twice and resumed, and a state that does not fit the VM refused as RestoreFailed
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -13,7 +14,7 @@ import pytest
 from shim.agent import Agent
 from shim.hypervisor import RestoreFailed, VMSpec
 from shim.hypervisor import template as templates
-from shim.hypervisor.qemu import QemuVM
+from shim.hypervisor.qemu import QemuVM, load_command
 from shim.network.model import TapNic
 from tests.conftest import require_root
 from tests.vmconfig import vm_config
@@ -90,6 +91,25 @@ def test_one_maker_at_a_time(tmp_path) -> None:
     again = t.lock()
     assert again is not None
     again.release()
+
+
+def test_a_state_is_read_past_the_page_cache_or_dropped_after(tmp_path, monkeypatch) -> None:
+    on_disk = tmp_path / "state"
+    on_disk.write_bytes(b"x" * 8192)
+    assert load_command(str(on_disk)) == f"dd if={on_disk} bs=4M iflag=direct status=none"
+    with pytest.raises(RestoreFailed, match="cannot read the template"):
+        load_command(str(tmp_path / "discarded-meanwhile"))
+
+    # A file system without O_DIRECT (tmpfs before Linux 6.6; this machine's has it)
+    # refuses the open with EINVAL: dd then drops what it read from the page cache.
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    real_open = os.open
+    monkeypatch.setattr(os, "open", no_direct)
+    assert load_command(str(on_disk)) == f"dd if={on_disk} bs=4M iflag=nocache status=none"
 
 
 def vm_spec(tmp_path: pathlib.Path, name: str, **changes) -> VMSpec:
