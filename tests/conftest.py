@@ -3,6 +3,7 @@ on a developer's machine a missing one skips it, saying what to install."""
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -73,6 +74,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _entries(directory: pathlib.Path) -> set[str]:
+    return set(os.listdir(directory)) if directory.is_dir() else set()
+
+
 def _cmdline(pid: int | str) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -108,9 +113,17 @@ def nothing_left_running(tmp_path_factory):
     it. This run's: a daemon whose bundle, or a QEMU whose files or parent shim's bundle,
     are under this run's temporary directory, and any orphaned pod QEMU (not the VMs that
     other work on the machine runs)."""
+    from shim.config import QemuConfig
+
+    system_templates = pathlib.Path(QemuConfig().template_path)
+    templates_before = _entries(system_templates)
     before = _ours()
     yield
     import time
+
+    made = sorted(_entries(system_templates) - templates_before)
+    assert not made, (f"templates left in {system_templates} (a pod of the run used the "
+                      f"default template_path): {made}")
 
     base = str(tmp_path_factory.getbasetemp())
 
