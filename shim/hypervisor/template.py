@@ -4,12 +4,12 @@ pod's start; restoring its saved state is ~0.5 s, and the restored VM has transl
 only what it runs after (a smaller TCG cache).
 
 A template is the whole VM (QEMU's migration stream) saved when its agent has opened its
-port (the host connected, nothing sent) and nothing of any pod is in it: no 9p share mounted (QEMU cannot save a VM whose
-9p export is mounted), NICs with the template's MACs on hub ports with nothing behind
-them. QEMU can restore a state only into a VM made the same way, so a template serves
-the VMs whose command line is the same but for what the restore brings (paths, the
-sandbox id, the taps): `key()` hashes that command line with the identity of every file
-it names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key; the
+port (the host connected, nothing sent) and nothing of any pod is in it: no 9p share
+mounted (QEMU cannot save a VM whose 9p export is mounted), NICs with the template's MACs
+and nothing behind them (PlaceholderNic). QEMU can restore a state only into a VM made
+the same way, so a template serves the VMs whose command line is the same but for what
+the restore brings (paths, the sandbox id, the taps): `of()` keys a template by that
+command line and the identity of every file it names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key; the
 templates of files that changed are removed when the next one is saved.
 
 What all pods restored from one template share, and Resume changes in each before any
