@@ -50,6 +50,7 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
         state_dir = paths.state_dir(namespace, group)
         holder = namespace_holder(([daemon] if daemon else []) + _qemus_of_state_dir(state_dir))
         unmount_in_pod([os.path.join(state_dir, "shared", container_id),
+                        os.path.join(state_dir, "export", container_id),
                         os.path.join(bundle, "rootfs")], holder, group)
         return
     if daemon is not None:

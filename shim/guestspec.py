@@ -6,7 +6,9 @@ rewritten spec and the binds the shim must make on the host.
 
 Read-only binds: the guest sees a bind's whole host tree, submounts included, as part of
 one 9p mount, so a read-only bind there is read-only all the way down, which is what
-`rro` (RecursiveReadOnly) asks; the guest's runc does not know `rro` and gets `ro`. A
+`rro` (RecursiveReadOnly) asks; the guest's runc does not know `rro` and gets `ro`, and
+the host makes the bind read-only all the way down too (a container that broke out to
+root in the guest could otherwise write the submounts through 9p). A
 plain `ro` bind is read-only at its top only, as runc makes it: each host mount below
 its source comes again as a bind of its own, on top, with its own flags (rw unless it
 is read-only itself)."""
@@ -33,8 +35,15 @@ class HostBind:
     source: str
     """Host path (file or directory)."""
     target: str
-    """Path relative to the shared directory."""
+    """Path relative to the shared directory: `<container>/mounts/<name>`."""
     readonly: bool
+    recursive: bool = False
+    """Read-only all the way down (`rro`): on the host too, so that guest root reaching
+    the share cannot write the submounts either."""
+
+    @property
+    def name(self) -> str:
+        return self.target.rsplit("/", 1)[1]
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None,
             name = f"{index}-{os.path.basename(destination.rstrip('/')) or 'root'}"
             target = f"{container_id}/mounts/{name}"
             recursive = "rro" in options
-            binds.append(HostBind(source, target, recursive or "ro" in options))
+            binds.append(HostBind(source, target, recursive or "ro" in options, recursive))
             guest = dict(m, source=f"{GUEST_SHARED}/{target}")
             if recursive:
                 guest["options"] = ["ro", *(o for o in options if o not in ("rro", "ro", "rw"))]

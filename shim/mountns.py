@@ -8,7 +8,7 @@ inherits it; the namespace and all its mounts go when the last of them exits. It
 slave of the host's (MS_SLAVE|MS_REC on /): what the host mounts or unmounts later reaches
 it where the host's mounts are shared, nothing goes back. Where they are not (a host whose
 / is private), `in_namespace` reaches the host's namespace itself: the shim's binds clone
-the host's tree there (see mounts.bind).
+the host's tree there (see shim/share.py).
 
 setns(2) and unshare(2) refuse a process with more than one thread: each call into another
 namespace is made by a forked child, which has one."""

@@ -1,7 +1,7 @@
-"""mount(2) and umount2(2) for the shim: containerd's rootfs mounts onto the bundle, and
-binds of a pod's files into the directory its VM shares with the guest; what is mounted
-where, from /proc/self/mountinfo (in the daemon: the pod's own mount namespace, see
-shim/mountns.py)."""
+"""mount(2) and umount2(2) for the shim: containerd's rootfs mounts onto the bundle; what
+is mounted where, from /proc/self/mountinfo (in the daemon: the pod's own mount
+namespace, see shim/mountns.py). What goes into the directory shared with the guest is
+attached through descriptors instead (shim/share.py)."""
 from __future__ import annotations
 
 import errno
@@ -21,13 +21,7 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
-_SYS_OPEN_TREE = 428  # the same number on every architecture (syscalls added since 5.1)
-_SYS_MOVE_MOUNT = 429
-_AT_FDCWD = -100
-_AT_RECURSIVE = 0x8000
-_OPEN_TREE_CLONE = 0x1
-_OPEN_TREE_CLOEXEC = os.O_CLOEXEC
-_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+UMOUNT_NOFOLLOW = 0x8
 
 _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
           "bind": MS_BIND, "rbind": MS_BIND | MS_REC}
@@ -62,64 +56,10 @@ def mount(m: Mount, target: str) -> None:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, "")
 
 
-def bind(source: str, target: str, readonly: bool = False, from_host: bool = True) -> None:
-    """Bind `source` (file or directory) onto `target`, creating the target as needed.
-    In the pod's own mount namespace, `source` is the host's (unless not `from_host`:
-    what the shim mounted itself, e.g. a rootfs): its whole tree as the host sees it
-    now, mounts made after the pod started included (they reach the pod's namespace by
-    themselves only where the host's mounts are shared)."""
-    from . import mountns  # here: the idle daemon has no use for it
-
-    host = mountns.host_namespace_fd() if from_host else None
-    if host is None:
-        _make_target(os.path.isdir(source), target)
-        mount(Mount("bind", source, ("rbind",)), target)
-    else:
-        libc()  # loaded before the helper forks: it imports nothing
-        own = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            mountns.in_namespace(host, _clone_into, source, own, target)
-        finally:
-            os.close(own)
-    if readonly:  # a bind is made read-only by a remount (of its top only)
-        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, "")
-    _mount(None, target, None, MS_PRIVATE | MS_REC, "")
-
-
-def _make_target(directory: bool, target: str) -> None:
-    if directory:
-        os.makedirs(target, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if not os.path.exists(target):
-            open(target, "a").close()
-
-
-def _clone_into(source: str, own_ns: int, target: str) -> None:
-    """Run in the host's mount namespace by a helper of the daemon: a detached copy of
-    `source`'s tree (open_tree), attached at `target` in the namespace `own_ns`."""
-    from . import mountns
-
-    c = libc()
-    tree = c.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(source),
-                     _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_RECURSIVE)
-    if tree < 0:
-        err = last_errno()
-        raise OSError(err, f"bind {source}: open_tree: {os.strerror(err)}")
-    directory = os.path.isdir(f"/proc/self/fd/{tree}")
-    if c.setns(own_ns, mountns.CLONE_NEWNS) != 0:
-        err = last_errno()
-        raise OSError(err, f"bind {source}: back into the pod's namespace: {os.strerror(err)}")
-    _make_target(directory, target)
-    if c.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, os.fsencode(target),
-                 _MOVE_MOUNT_F_EMPTY_PATH) != 0:
-        err = last_errno()
-        raise OSError(err, f"bind {source} on {target}: move_mount: {os.strerror(err)}")
-
-
 def unmount(path: str) -> bool:
-    """Detach whatever is mounted on `path`; False when nothing was (or no such path)."""
-    if libc().umount2(os.fsencode(path), MNT_DETACH) != 0:
+    """Detach whatever is mounted on `path`; False when nothing was (or no such path).
+    A symlink at `path` is not followed (one a guest put in a volume leads nowhere)."""
+    if libc().umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
         err = last_errno()
         if err in (errno.EINVAL, errno.ENOENT):
             return False

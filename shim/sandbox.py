@@ -30,6 +30,7 @@ from .network.model import PodNetwork, TapNic
 from .podstate import PodState, VMReport, state_path
 from .processes import start_time
 from .resources import Host, PlanDelta, SandboxPlan
+from .share import Share
 
 if TYPE_CHECKING:
     from .network.portforward import PortForwarder
@@ -52,7 +53,8 @@ class Sandbox:
                                  shim_in_sandbox=config.runtime.sandbox_cgroup_only,
                                  overhead_cpus=config.runtime.overhead_cpus)
         self.dir = paths.state_dir(namespace, sandbox_id)
-        self.shared_dir = os.path.join(self.dir, "shared")
+        self.share = Share(self.dir)
+        """The pod's shared directory: built in `shared/`, exported read-only."""
         self.vm_dir = os.path.join(self.dir, "vm")
         self.vm: VM | None = None
         self.agent: Agent | None = None
@@ -77,12 +79,12 @@ class Sandbox:
         """`network_worker`: the one that bridges the pod's namespace (the caller's to
         close); None for a pod without one."""
         q = self.config.qemu
-        for d in (self.shared_dir, self.vm_dir):
-            os.makedirs(d, mode=0o700, exist_ok=True)
+        os.makedirs(self.vm_dir, mode=0o700, exist_ok=True)
+        self.share.create()
         # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
         static = self.config.runtime.static_sandbox_resource_mgmt
         spec = VMSpec(
-            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.shared_dir,
+            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.share.export,
             vcpus=self.plan.vcpus,
             max_vcpus=self.plan.vcpus if static else self.plan.max_vcpus,
             memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
@@ -308,10 +310,11 @@ class Sandbox:
     def console_tail(self) -> str:
         return self.vm.console_tail() if self.vm else "(no VM)"
 
-    def share(self, container_id: str, bundle: str, rootfs: list[Mount],
-              binds: tuple[guestspec.HostBind, ...]) -> None:
-        """Mount the container's rootfs on its bundle (as containerd expects) and bind it,
-        with its other host files, into the shared directory. All or nothing."""
+    def share_container(self, container_id: str, bundle: str, rootfs: list[Mount],
+                        binds: tuple[guestspec.HostBind, ...]) -> None:
+        """Mount the container's rootfs on its bundle (as containerd expects) and attach
+        it, with its other host files, in the shared directory (shim/share.py). All or
+        nothing."""
         self._record(rootfs={**self.state.rootfs,
                              container_id: os.path.join(bundle, "rootfs")})
         try:
@@ -320,20 +323,16 @@ class Sandbox:
                     raise ValueError(f"{len(rootfs)} rootfs mounts; podvm takes exactly one")
                 mounts.mount(rootfs[0], os.path.join(bundle, "rootfs"))
             # the rootfs this shim mounted is in the pod's mount namespace only
-            mounts.bind(os.path.join(bundle, "rootfs"),
-                        os.path.join(self.shared_dir, guestspec.rootfs_path(container_id)),
-                        from_host=not rootfs)
-            for b in binds:
-                mounts.bind(b.source, os.path.join(self.shared_dir, b.target), b.readonly)
+            self.share.add(container_id, os.path.join(bundle, "rootfs"),
+                           rootfs_from_host=not rootfs,
+                           binds=[(b.source, b.name, b.readonly, b.recursive) for b in binds])
         except BaseException:
-            self.unshare(container_id)
+            self.unshare_container(container_id)
             raise
 
-    def unshare(self, container_id: str) -> None:
-        """Undo share(); a no-op for what is already gone."""
-        container_dir = os.path.join(self.shared_dir, container_id)
-        mounts.unmount_all(container_dir)
-        remove_tree(container_dir)
+    def unshare_container(self, container_id: str) -> None:
+        """Undo share_container(); a no-op for what is already gone."""
+        self.share.remove(container_id)
         bundle_rootfs = self.state.rootfs.get(container_id)
         if bundle_rootfs:
             mounts.unmount(bundle_rootfs)
@@ -365,9 +364,8 @@ class Sandbox:
                 log.error("sandbox %s: %s", self.id, exc)
         self.cgroup.destroy()
         for container_id in list(self.state.rootfs):
-            self.unshare(container_id)
-        mounts.unmount_all(self.shared_dir)
-        remove_tree(self.shared_dir)
+            self.unshare_container(container_id)
+        self.share.destroy()
         remove_tree(self.vm_dir)
         self._record(qemu_pid=0, qemu_start_time=None)
 

@@ -247,7 +247,7 @@ class Pod:
         for what in guest.dropped:
             log.info("container %s: left out %s", container_id, what)
         try:
-            self.sandbox.share(container_id, bundle, rootfs, guest.binds)
+            self.sandbox.share_container(container_id, bundle, rootfs, guest.binds)
             await self.agent.create_container(container_id, json.dumps(guest.spec).encode(),
                                               stdio, sandbox=holder, pod_holder=pod_holder)
         except BaseException as exc:
@@ -266,7 +266,7 @@ class Pod:
         if self.sandbox is None:
             return
         try:
-            self.sandbox.unshare(container_id)
+            self.sandbox.unshare_container(container_id)
         except OSError as exc:
             log.error("container %s: cleanup after a failed create: %s", container_id, exc)
         if holder:
@@ -290,7 +290,7 @@ class Pod:
             except TtrpcError as exc:
                 log.warning("container %s: removal in the guest: %s", container_id,
                             exc.message)
-        sandbox.unshare(container_id)
+        sandbox.unshare_container(container_id)
         if holder:
             await self.stop()
         else:

