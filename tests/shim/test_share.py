@@ -170,6 +170,6 @@ def test_a_guest_rewriting_the_structure_gets_nothing_outside_it(tmp_path) -> No
     # crash) and lost others
     refused = sum(n for o, n in got["outcomes"].items() if o != "shared")
     assert refused > 0, got
-    assert set(got["outcomes"]) <= {"shared", "EEXIST", "ELOOP", "ENOTDIR", "ENOENT",
-                                    "EXDEV", "remove ENOTEMPTY", "remove ELOOP",
-                                    "remove ENOENT", "remove ENOTDIR", "remove EBUSY"}, got
+    # each refusal an OSError with its errno (the script dies on anything else)
+    assert all(o == "shared" or o.removeprefix("remove ").startswith("E")
+               for o in got["outcomes"]), got
