@@ -4,6 +4,13 @@ Over ttrpc to containerd's socket (TTRPC_ADDRESS), service
 `containerd.services.events.ttrpc.v1.Events`, method `Forward`. When that keeps failing,
 the publish binary (`<containerd> --address A publish --topic T --namespace NS`, the
 event as a serialized Any on stdin) is the fallback containerd's own shims use.
+
+The queue is bounded (MAX_QUEUED): a guest that makes events faster than containerd
+takes them must not grow the shim without bound. When full, the event arriving is
+dropped (counted, logged at most every 10 s), never one queued: those came first, and
+containerd reads an event in the light of the ones before it (a TaskExit after its
+TaskStart); the queue fills only while containerd takes nothing, when the newest is the
+least likely to get through anyway. publish() never blocks the loop.
 """
 from __future__ import annotations
 
@@ -16,11 +23,15 @@ from google.protobuf.message import Message
 
 from podvm_core.ttrpc import Client, ConnectionClosed, TtrpcError
 
+from .ratelimit import LimitedLog
+
 log = logging.getLogger("podvm.events")
 
 EVENTS_SERVICE = "containerd.services.events.ttrpc.v1.Events"
 _ATTEMPTS = 3
 PUBLISH_TIMEOUT = 5.0
+MAX_QUEUED = 1024
+"""Events waiting to be sent: a pod's normal life queues a handful at a time."""
 
 
 def pack(event: Message) -> Any:
@@ -39,9 +50,19 @@ class Publisher:
         self._containerd_address = containerd_address
         self._queue: asyncio.Queue[tuple[str, Any, int] | None] = asyncio.Queue()
         self._client: Client | None = None
+        self._dropped = LimitedLog(log)
         self._worker = asyncio.create_task(self._run())
 
+    @property
+    def dropped(self) -> int:
+        """Events dropped because the queue was full."""
+        return self._dropped.count
+
     def publish(self, topic: str, event: Message) -> None:
+        if self._queue.qsize() >= MAX_QUEUED:
+            self._dropped.warning("event queue full (%d waiting for containerd): %s dropped",
+                                  MAX_QUEUED, topic)
+            return
         self._queue.put_nowait((topic, pack(event), time.time_ns()))
 
     async def close(self, timeout: float = 10) -> None:

@@ -18,6 +18,11 @@ log = logging.getLogger("podvm.ttrpc")
 
 M = TypeVar("M", bound=Message)
 _GRACE = 1.0
+_MAX_UNSENT = 2 * framing.MAX_DATA
+"""Bytes of requests a peer that stopped reading may leave unsent before calls are refused:
+else each call given up on leaves its request buffered, and memory grows with every try."""
+_CODES = frozenset(Code)
+"""A peer's status code outside ttrpc's table is UNKNOWN, not a ValueError in the caller."""
 
 
 class Client:
@@ -41,9 +46,12 @@ class Client:
 
     async def call(self, service: str, method: str, request: Message, response_type: type[M],
                    timeout: float | None = None,
-                   metadata: Iterable[tuple[str, str]] = ()) -> M:
-        """One unary call. A non-OK status raises TtrpcError; a lost connection ConnectionClosed."""
-        raw = await self.call_raw(service, method, request.SerializeToString(), timeout, metadata)
+                   metadata: Iterable[tuple[str, str]] = (), grace: float = _GRACE) -> M:
+        """One unary call. A non-OK status raises TtrpcError; a lost connection ConnectionClosed.
+        `grace`: how long past `timeout` the answer is still waited for (the server's own
+        DEADLINE_EXCEEDED, or a result it had just made)."""
+        raw = await self.call_raw(service, method, request.SerializeToString(), timeout,
+                                  metadata, grace)
         try:
             return response_type.FromString(raw)
         except DecodeError as exc:
@@ -52,7 +60,7 @@ class Client:
 
     async def call_raw(self, service: str, method: str, payload: bytes,
                        timeout: float | None = None,
-                       metadata: Iterable[tuple[str, str]] = ()) -> bytes:
+                       metadata: Iterable[tuple[str, str]] = (), grace: float = _GRACE) -> bytes:
         if self._closed is not None:
             raise ConnectionClosed(f"ttrpc connection is closed: {self._closed}")
         req = Request(service=service, method=method, payload=payload,
@@ -64,15 +72,21 @@ class Client:
             raise TtrpcError(Code.RESOURCE_EXHAUSTED,
                              f"request of {len(data)} bytes exceeds the maximum message size "
                              f"of {framing.MAX_DATA}")
+        if self._writer.transport.get_write_buffer_size() > _MAX_UNSENT:
+            raise TtrpcError(Code.RESOURCE_EXHAUSTED,
+                             f"{service}/{method}: the peer has not read the "
+                             f"{self._writer.transport.get_write_buffer_size()} bytes sent "
+                             f"before")
         stream_id = next(self._stream_ids)
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._pending[stream_id] = future
         try:
-            self._writer.write(framing.encode(stream_id, framing.MessageType.REQUEST, data))
-            await self._writer.drain()
-            # The server enforces the deadline and says so; this only guards against a
-            # server that never answers.
-            async with asyncio.timeout(timeout + _GRACE if timeout else None):
+            # The server enforces the deadline and says so; this guards against a server
+            # that never answers, or stops reading (drain() waits as long as it does). A
+            # frame is buffered whole by write(), so a drain given up leaves it in step.
+            async with asyncio.timeout(timeout + grace if timeout else None):
+                self._writer.write(framing.encode(stream_id, framing.MessageType.REQUEST, data))
+                await self._writer.drain()
                 response = await future
         except TimeoutError:
             raise TtrpcError(Code.DEADLINE_EXCEEDED,
@@ -82,7 +96,8 @@ class Client:
         finally:
             self._pending.pop(stream_id, None)
         if response.status.code != Code.OK:
-            raise TtrpcError(response.status.code, response.status.message)
+            code = response.status.code
+            raise TtrpcError(code if code in _CODES else Code.UNKNOWN, response.status.message)
         return response.payload
 
     async def close(self) -> None:
@@ -90,7 +105,10 @@ class Client:
         self._receiver.cancel()
         self._writer.close()
         try:
-            await self._writer.wait_closed()
+            async with asyncio.timeout(_GRACE):
+                await self._writer.wait_closed()
+        except TimeoutError:  # a peer that reads nothing more: what it left unread goes
+            self._writer.transport.abort()
         except (ConnectionError, OSError):
             pass
         try:

@@ -31,6 +31,7 @@ from ..resources.model import from_linux_resources
 from ..sandbox import Sandbox, host
 from .hostns import (HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation,
                      spec_namespaces)
+from .guestevents import oom_bucket, watch_oom
 from .podfiles import with_mounts
 from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
@@ -478,14 +479,13 @@ class Pod:
             listener.vm_exited(self.gone)
 
     async def _watch_oom(self, sandbox: Sandbox) -> None:
-        while sandbox.agent is not None:
-            try:
-                container_id = await sandbox.agent.oom_event()
-            except TtrpcError as exc:
-                log.debug("OOM watch of sandbox %s ended: %s", self.id, exc)
-                return
-            for listener in self._listeners:
-                listener.container_oom(container_id)
+        """Paced by the pod's own bucket (shim/pod/guestevents.py)."""
+        if sandbox.agent is not None:
+            await watch_oom(sandbox.agent, self.id, oom_bucket(), self._tell_oom)
+
+    def _tell_oom(self, container_id: str) -> None:
+        for listener in self._listeners:
+            listener.container_oom(container_id)
 
     # --- looking ---------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ class TaskService:
         self.containers: dict[str, Container] = {}
         self.slot = slot or PodSlot()
         self.slot.listen(self)
-        self.report = Reporter(publisher, self.slot)
+        self.report = Reporter(publisher, self.slot, self.containers)
         self._shutdown = shutdown
         self._network_worker = network_worker
 
@@ -279,9 +279,9 @@ class TaskService:
         return api.PidsResponse(processes=[ProcessInfo(pid=p.pid) for p in processes])
 
     async def Stats(self, req: api.StatsRequest, ctx: Context) -> api.StatsResponse:
+        """The guest's Metrics, checked by the agent's client (shim/agent.py)."""
         self._container(req.id)
-        stats = await self._agent().stats(req.id)
-        return api.StatsResponse(stats=stats.metrics)
+        return api.StatsResponse(stats=await self._agent().stats(req.id))
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")

@@ -10,7 +10,7 @@ import pytest
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.procstate import RUNNING
 from shim.pod.slot import PodSlot
-from shim.task.process import Process
+from shim.task.process import Container, Process
 from shim.task.reporting import Reporter
 
 
@@ -34,8 +34,9 @@ class ExitingAgent:
 async def test_an_oom_kill_reported_with_the_exit_is_published_before_it(oom_killed,
                                                                          topics) -> None:
     published = Published()
-    reporter = Reporter(published, PodSlot())  # type: ignore[arg-type]
     proc = Process("c1", pid=10, state=RUNNING)
+    reporter = Reporter(published, PodSlot(),  # type: ignore[arg-type]
+                        {"c1": Container("c1", "/b", proc)})
     agent = ExitingAgent(pb.WaitProcessResponse(exit_status=137, oom_killed=oom_killed))
     reporter.watch(proc, lambda: agent)
     status, _ = await asyncio.wait_for(proc.wait(), 5)
