@@ -31,6 +31,7 @@ from .libc import last_errno, libc
 log = logging.getLogger("podvm.share")
 
 _DIR_MODE = 0o755  # the guest's containers run as any user: they must reach their root
+_HOST_SAFE = beneath.MOUNT_ATTR_NOSUID | beneath.MOUNT_ATTR_NODEV | beneath.MOUNT_ATTR_NOEXEC
 
 
 class ShareError(OSError):
@@ -223,7 +224,8 @@ def _is_dir(source: str) -> bool:
 def _bind(source: str, target: int, from_host: bool, readonly: bool,
           recursive: bool) -> None:
     """A copy of `source`'s mount tree attached on the descriptor `target`: private (no
-    later host mount reaches the guest through it), read-only at its top when
+    later host mount reaches the guest through it), nosuid, nodev and noexec on the host
+    (the guest's own mounts of it are the guest's), read-only at its top when
     `readonly`, all the way down when `recursive`."""
     host = mountns.host_namespace_fd() if from_host else None
     if host is None:
@@ -248,7 +250,11 @@ def _clone_attach(source: str, target: int, readonly: bool, recursive: bool,
                 err = last_errno()
                 raise OSError(err, f"bind {source}: back into the pod's namespace: "
                                    f"{os.strerror(err)}")
-        beneath.set_attributes(tree, propagation=beneath.MS_PRIVATE, recursive=True)
+        # QEMU opens, on the guest's word, what the guest names in the share: a device
+        # node in an image or a volume would be the host's device, a setuid file the
+        # host's; QEMU executes nothing there either.
+        beneath.set_attributes(tree, attr_set=_HOST_SAFE, propagation=beneath.MS_PRIVATE,
+                               recursive=True)
         if readonly:
             beneath.set_attributes(tree, attr_set=beneath.MOUNT_ATTR_RDONLY,
                                    recursive=recursive)

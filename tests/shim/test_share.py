@@ -53,11 +53,13 @@ seen = {p: writes(export + "/" + p.lstrip("/")) for p in (
     "/", "c1/", "c1/mounts/", "c1/rootfs/", "c1/mounts/0-rw/", "c1/mounts/0-rw/cache/",
     "c1/mounts/1-ro/", "c1/mounts/1-ro/cache/", "c1/mounts/2-rro/", "c1/mounts/2-rro/cache/",
     "c1/mounts/3-hosts", "c1/rootfs")}
+flags = {l.split()[4][len(export) + 1:]: l.split()[5] for l in open("/proc/self/mountinfo")
+         if l.split()[4].startswith(export + "/")}
 share.remove("c1")
 left = [l.split()[4] for l in open("/proc/self/mountinfo") if area + "/state" in l]
 share.destroy()
 gone = [l.split()[4] for l in open("/proc/self/mountinfo") if area + "/state" in l]
-print(json.dumps({"seen": seen, "left": left, "gone": gone,
+print(json.dumps({"seen": seen, "left": left, "gone": gone, "flags": flags,
                   "state": os.listdir(os.path.join(area, "state"))}))
 """
 
@@ -79,6 +81,10 @@ def test_the_guest_writes_only_container_roots_and_writable_volumes(tmp_path) ->
         "c1/mounts/2-rro/": erofs, "c1/mounts/2-rro/cache/": erofs,  # `rro`: all of it
         "c1/mounts/3-hosts": erofs,
         "c1/rootfs": "Is a directory"}
+    # what QEMU opens for the guest there is never a host device or setuid file
+    assert len(got["flags"]) == 8, got["flags"]  # rootfs, 4 binds, 3 volumes' submount
+    for point, flags in got["flags"].items():
+        assert {"nosuid", "nodev", "noexec"} <= set(flags.split(",")), (point, flags)
     # a container removed: only the two mounts of the share itself are left, then none
     assert sorted(p.rsplit("/", 1)[1] for p in got["left"]) == ["export", "shared"]
     assert got["gone"] == [] and got["state"] == []
