@@ -101,6 +101,7 @@ bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py
 	$(VENV)/bin/python bench/pod_bench.py
 	$(VENV)/bin/python bench/density.py
+	$(VENV)/bin/python bench/hardening_bench.py
 	$(VENV)/bin/python bench/accounting_bench.py
 	$(VENV)/bin/python bench/resize_bench.py
 	$(VENV)/bin/python bench/reservation.py --repeat 3

@@ -40,6 +40,19 @@ class QemuConfig:
     a shape boots one and saves it (shim/hypervisor/template.py)."""
     template_path: str = "/var/lib/podvm/templates"
     """Where templates are kept: one saved state per VM shape and guest image."""
+    console_log_max_kib: int = 256
+    """The most of the guest's serial console kept in its console.log (the newest
+    output; shim/hypervisor/console.py)."""
+    guest_kernel_hardening: bool = True
+    """false: the guest kernel without its mitigations, LSMs and zeroed allocations
+    (shim/hypervisor/qemu.py FAST_PARAMS): faster, weaker isolation."""
+    kernel_params: str = ""
+    """Kata's key: parameters added to the guest kernel's command line."""
+    seccompsandbox: str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+    """QEMU's -sandbox option (its seccomp filter), Kata's key; "" turns it off."""
+    enable_jail: bool = True
+    """QEMU in its own mount namespace with only the pod's files, its capabilities cut
+    (shim/hypervisor/jail.py); false only to debug: weaker isolation."""
 
     @property
     def vmm_overhead_mib(self) -> int:
@@ -84,8 +97,13 @@ MEASURED_OVERHEAD_MIB = {"tcg": 192, "kvm": 192}
 # section in the file -> attribute of Config
 _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
 _ACCELS = ("kvm", "tcg")
+CONSOLE_LOG_MAX_KIB = 16384  # per pod, in /run (memory): more is no log but a leak
 _SIZINGS = ("sum", "max")
 _RESERVATIONS = ("shares", "exclusive")
+# Kernel parameters podvm sets itself or relies on (dashes read as underscores, as the
+# kernel reads them): kernel_params may not carry them.
+_OWN_KERNEL_PARAMS = ("console", "panic", "reboot", "maxcpus", "nr_cpus", "possible_cpus",
+                      "init", "rdinit", "root", "podvm_template")
 
 
 def find(options_config_path: str = "") -> str | None:
@@ -207,6 +225,25 @@ def _check(config: Config, source: str) -> None:
     if q.enable_template and not os.path.isabs(q.template_path):
         raise ConfigError(f"{where} template_path must be an absolute path, got "
                           f"{q.template_path!r}")
+    if q.seccompsandbox and not q.seccompsandbox.startswith("on"):
+        raise ConfigError(f"{where} seccompsandbox must be \"\" (off) or QEMU's -sandbox "
+                          f"option starting with \"on\", got {q.seccompsandbox!r}")
+    _check_kernel_params(q.kernel_params, where)
+    if not 1 <= q.console_log_max_kib <= CONSOLE_LOG_MAX_KIB:
+        raise ConfigError(f"{where} console_log_max_kib must be 1 to {CONSOLE_LOG_MAX_KIB} "
+                          f"(KiB of the guest's console kept in /run; error messages quote "
+                          f"it), got {q.console_log_max_kib}")
     if q.boot_timeout < 1:
         raise ConfigError(f"{where} boot_timeout must be at least 1 second, "
                           f"got {q.boot_timeout}")
+
+
+def _check_kernel_params(params: str, where: str) -> None:
+    if not params.isprintable():
+        raise ConfigError(f"{where} kernel_params must be one printable line, got {params!r}")
+    for word in params.split():
+        name = word.split("=", 1)[0].lstrip("\"").replace("-", "_")
+        if word == "--" or name in _OWN_KERNEL_PARAMS:
+            raise ConfigError(f"{where} kernel_params may not set {word!r}: podvm sets or "
+                              f"relies on {', '.join(_OWN_KERNEL_PARAMS)} and passes "
+                              f"nothing after --")

@@ -11,6 +11,7 @@ from dataclasses import asdict
 import cgroups
 
 from . import paths, shimstate
+from .hypervisor.jail import confinement
 from .podstate import STATE_FILE, PodState, state_path
 from .processes import start_time
 
@@ -81,6 +82,8 @@ def collect(state_dir: str) -> dict:
                 outside.append(str(exc))
         if gone:
             outside.append(f"QEMU {state.qemu_pid} has exited")
+        else:
+            report["confinement"] = confinement(state.qemu_pid)
     back = sandbox.read_back()
     report["cgroup"] = {
         "version": back.version, "path": back.sandbox,
@@ -189,6 +192,16 @@ def _network_lines(net: dict) -> list[str]:
     return lines
 
 
+def _confinement_lines(c: dict | None) -> list[str]:
+    """QEMU's confinement as /proc shows it (README: QEMU's confinement)."""
+    if not c:
+        return []
+    return [f"QEMU confinement: seccomp {c['seccomp']}"
+            f"{' (filter)' if c['seccomp'] == 2 else ' (none)'}, no_new_privs "
+            f"{c['no_new_privs']}, capabilities {','.join(c['capabilities']) or 'none'}, "
+            f"own mount namespace {'yes' if c['own_mount_namespace'] else 'no'}"]
+
+
 def render(report: dict) -> str:
     plan, vm = report.get("plan") or {}, report.get("vm") or {}
     lines = [f"sandbox {report['sandbox_id']} (namespace {report['namespace']}): "
@@ -213,6 +226,7 @@ def render(report: dict) -> str:
                      f"{vm.get('qemu_memory_mib', '?')} MiB; the guest has "
                      f"{vm.get('online_cpus')} vCPUs online, MemTotal "
                      f"{vm.get('memory_total_mib')} MiB" + _kernel_keeps(vm))
+    lines += _confinement_lines(report.get("confinement"))
     lines += _network_lines(report.get("network") or {})
     k8s = kubernetes_view(plan)
     if k8s:

@@ -37,11 +37,11 @@ exec switch_root /root /bin/sh -c "sh /tmp/{DIR}/script; poweroff -f"
 
 def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240, *,
               root: bool = False, files: dict[str, bytes] | None = None,
-              memory_mib: int = 256, vcpus: int = 1) -> str:
+              memory_mib: int = 256, vcpus: int = 1, params: str = KERNEL_PARAMS) -> str:
     """The guest console after `script` (run by busybox sh as PID 1 with /proc mounted,
     or with `root` in the root image; its output goes to the console) has run and the
     guest powered off. `files`: put beside it, in /podvm-probe (/tmp/podvm-probe in the
-    root image)."""
+    root image). `params`: the kernel command line (before rdinit=)."""
     require_tool("qemu-system-x86_64", "qemu-system-x86")
     require(os.path.isfile(QBOOT), f"{QBOOT} (Debian package qemu-system-data)")
     kernel, initrd = guest_image()
@@ -72,7 +72,7 @@ def run_probe(workdir: pathlib.Path, script: str, timeout: float = 240, *,
             "-cpu", "max", "-bios", QBOOT, "-nodefaults", "-no-user-config", "-nographic",
             "-no-reboot", "-m", ",".join(memory), "-smp", str(vcpus), *devices,
             "-kernel", kernel, "-initrd", str(overlay),
-            "-append", f"{KERNEL_PARAMS} rdinit=/{DIR}/init", "-serial", f"file:{console}"]
+            "-append", f"{params} rdinit=/{DIR}/init", "-serial", f"file:{console}"]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:

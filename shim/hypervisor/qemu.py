@@ -5,22 +5,24 @@ virtio-9p, QMP for control and thread ids."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import shlex
 import signal
+import subprocess
+from typing import Callable
 
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from podvm_core.protocol import AGENT_PORT
 
-from ..config import DEFAULT_PATH as DEFAULT_CONFIG
+from ..config import DEFAULT_PATH as DEFAULT_CONFIG, QemuConfig
 from ..libc import last_errno, libc
 from ..resources.update import MEMORY_BLOCK_MIB
+from . import jail, stateload
 from .base import (BootTimeout, CannotGrow, HypervisorError, MissingFile, RestoreFailed,
                    ThreadRole, VM, VMExited, VMSpec)
+from .console import ConsoleLog
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -34,9 +36,9 @@ QBOOT = "/usr/share/qemu/qboot.rom"
 # Each skips probing a microVM does not need; measured under TCG in design.md. The second
 # half skips boot work no pod VM uses (-0.4 s to /init under TCG): crypto self-tests, the
 # KDF self-test, kprobe events, module-signing and encrypted-key keyrings (modules load
-# unsigned-tainted, signatures are not enforced), 3 of 4 UARTs, zeroing of every kernel
-# allocation, audit, the LSMs (apparmor & co.: runc skips profiles when it is off), the
-# lockup watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug are untouched.
+# unsigned-tainted, signatures are not enforced), 3 of 4 UARTs, audit, the lockup
+# watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug are untouched, and so are the
+# kernel's own defences (FAST_PARAMS below).
 # swiotlb=noforce: the hot-plug area reaches above 4 GiB, for which the kernel would set
 # aside 64 MiB of bounce buffers (touched at boot) that no virtio device uses.
 # noreplace-smp: a VM that boots one vCPU would rewrite every LOCK prefix of the kernel
@@ -44,10 +46,23 @@ QBOOT = "/usr/share/qemu/qboot.rom"
 # in the kernel's alternatives patching, ~0.19 s to /init under TCG (median of 4 pairs).
 KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i8042.nopnp "
                  "i8042.dumbkbd tsc=reliable no_timer_check rcupdate.rcu_expedited=1 "
-                 "mitigations=off nokaslr "
                  "cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_kprobe_trace,"
-                 "load_system_certificate_list,init_encrypted 8250.nr_uarts=1 init_on_alloc=0 "
-                 "audit=0 lsm=capability nowatchdog swiotlb=noforce noreplace-smp")
+                 "load_system_certificate_list,init_encrypted 8250.nr_uarts=1 "
+                 "audit=0 nowatchdog swiotlb=noforce noreplace-smp")
+# What guest_kernel_hardening = false adds: the guest kernel's defences against its own
+# processes (a container that breaks out to guest root starts there) turned off, for
+# speed. Their cost, one by one, is bench/hardening_bench.py's. nokaslr changes nothing
+# while the kernel is the PVH-booted vmlinux (no decompressor, so never relocated).
+FAST_PARAMS = "mitigations=off nokaslr lsm=capability init_on_alloc=0"
+
+
+def kernel_line(q: QemuConfig, template: bool) -> str:
+    """The guest's kernel command line less maxcpus=: podvm's own parameters, then the
+    weaker fast form if configured, the operator's kernel_params (config.py refuses
+    those that would change what podvm relies on), and the template marker."""
+    return " ".join(part for part in (
+        KERNEL_PARAMS, "" if q.guest_kernel_hardening else FAST_PARAMS, q.kernel_params,
+        TEMPLATE_PARAM if template else "") if part)
 
 
 TEMPLATE_PARAM = "podvm_template=1"
@@ -87,6 +102,8 @@ class QemuVM(VM):
         self._booted = False
         self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
         self._restore_from = ""
+        self._console: ConsoleLog | None = None
+        self._preexec: Callable[[], None] | None = None
 
     @property
     def pid(self) -> int:
@@ -112,6 +129,12 @@ class QemuVM(VM):
     def console_log(self) -> str:
         return os.path.join(self.spec.workdir, "console.log")
 
+    @property
+    def console_socket(self) -> str:
+        """QEMU's end of the guest's serial console, copied into console_log at a bounded
+        size (shim/hypervisor/console.py)."""
+        return os.path.join(self.spec.workdir, "console.sock")
+
     def command(self) -> list[str]:
         s, q = self.spec, self.spec.hypervisor
         image = os.path.getsize(q.image)  # all of it is mapped (its padding is a hole)
@@ -127,7 +150,7 @@ class QemuVM(VM):
         # `vcpus` of them (maxcpus=) and onlines the others when the pod grows: no vCPU
         # thread starts after boot, whatever the cache size.
         maxcpus = max(s.vcpus, s.max_vcpus)
-        append = f"{KERNEL_PARAMS} {TEMPLATE_PARAM}" if s.template else KERNEL_PARAMS
+        append = kernel_line(q, s.template)
         if q.accel == "tcg":
             accel, cpu, present = "tcg,thread=multi,tb-size=32", "max", maxcpus
             append += f" maxcpus={s.vcpus}"
@@ -146,7 +169,8 @@ class QemuVM(VM):
             "-device", f"virtio-pmem-pci,memdev={ROOT_IMAGE},id={ROOT_IMAGE}",
             # The pages the guest frees (its boot's, a container's) go back to the host.
             "-device", "virtio-balloon-pci,free-page-reporting=on",
-            "-serial", f"file:{self.console_log}",
+            "-chardev", f"socket,id=console,path={self.console_socket},server=on,wait=off",
+            "-serial", "chardev:console",
             "-qmp", f"unix:{self.qmp_socket},server=on,wait=off",
             "-device", "virtio-serial-pci,id=serial0",
             "-chardev", f"socket,id=agent,path={self.agent_socket},server=on,wait=off",
@@ -155,6 +179,7 @@ class QemuVM(VM):
                       "multidevs=remap",
             "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}",
             "-pidfile", os.path.join(s.workdir, "qemu.pid"),
+            *(["-sandbox", q.seccompsandbox] if q.seccompsandbox else []),
             *(arg for nic in s.nics
               for arg in nic.qemu_args(mac=template_mac(nic.index) if s.template else "")),
         ]
@@ -186,15 +211,20 @@ class QemuVM(VM):
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
         for path in (self.agent_socket, self.qmp_socket):
             _unlink(path)
-        self._restore_from = restore_from
+        self._restore_from, self._preexec = restore_from, preexec
         cmd = self.command() + (["-incoming", "defer"] if restore_from else [])
         log.info("starting QEMU: %s", " ".join(cmd))
         libc()  # loaded before the fork: the child only calls it
+        confine = jail.plan(self.spec) if self.spec.hypervisor.enable_jail else None
+        if confine is not None:
+            os.makedirs(confine.root, mode=0o700, exist_ok=True)
 
         def child() -> None:
             _no_huge_pages()
             if preexec is not None:
-                preexec()
+                preexec()  # first: it writes cgroup files the jail hides
+            if confine is not None:
+                jail.enter_or_say(confine)
 
         stderr = open(os.path.join(self.spec.workdir, "qemu.log"), "ab")
         try:
@@ -204,6 +234,9 @@ class QemuVM(VM):
                 pass_fds=[fd for nic in self.spec.nics for fd in nic.fds])
         except OSError as exc:
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
+        except subprocess.SubprocessError:  # what the child said is in qemu.log
+            raise HypervisorError(f"cannot start QEMU of sandbox {self.spec.sandbox_id}: "
+                                  f"{self._qemu_log_tail()}") from None
         finally:
             stderr.close()
         try:
@@ -273,6 +306,8 @@ class QemuVM(VM):
             status = proc.returncode
         if status is None:
             return None
+        if self._console is not None:  # its last lines, which the message quotes
+            await self._console.finished(grace=1)
         how = (f"was killed by signal {signal.Signals(-status).name}" if status < 0
                else f"exited with status {status}")
         when = "while the pod was running" if self._booted else "before the guest came up"
@@ -305,6 +340,11 @@ class QemuVM(VM):
                     log.debug("QMP not listening yet: %s", exc)
             await asyncio.sleep(0.005)
         self._qmp = qmp
+        # Before the guest runs, or restores: QEMU drops console output nobody reads.
+        self._boot_stage = "the console socket of QEMU did not accept"
+        self._console = await ConsoleLog.attach(
+            self.console_socket, self.console_log,
+            self.spec.hypervisor.console_log_max_kib << 10)
         # Connected before the guest runs: a guest that opens its port while the host
         # side is unconnected reads end-of-file.
         self._boot_stage = "the agent socket of QEMU did not accept"
@@ -330,12 +370,19 @@ class QemuVM(VM):
                     return
 
     async def _load(self, path: str) -> None:
-        """The saved state in `path`, read by dd past the host's page cache (see
-        load_command)."""
+        """The saved state in `path`, through a pipe from a dd the shim runs
+        (shim/hypervisor/stateload.py)."""
         assert self._qmp is not None
         await self._qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
-        await self._qmp.execute("migrate-incoming", {"uri": "exec:" + load_command(path)})
-        await self._migration_done("loading")
+
+        async def send(fd: int) -> None:
+            assert self._qmp is not None
+            self._qmp.send_fd_scm(fd)
+            await self._qmp.execute("getfd", {"fdname": stateload.FD_NAME})
+            await self._qmp.execute("migrate-incoming", {"uri": f"fd:{stateload.FD_NAME}"})
+
+        await stateload.load(path, send, lambda: self._migration_done("loading"),
+                             self._preexec)
 
     async def save(self, path: str) -> None:
         """Stop the guest and write its state to `path` (created; QEMU's migration stream,
@@ -380,9 +427,11 @@ class QemuVM(VM):
 
     async def _vcpu_positions(self) -> str:
         """Where the instruction pointer of each vCPU in 64-bit mode is ("; vCPU
-        instruction pointers: 0x..."), for a guest that hangs in its kernel without a word on the console (`quiet`): the
-        kernel is booted with nokaslr, so its System.map names the function. "" when QEMU
-        cannot say."""
+        instruction pointers: 0x..."), for a guest that hangs in its kernel without a word
+        on the console (`quiet`): the PVH-booted vmlinux is never relocated (KASLR is the
+        bzImage decompressor's, which PVH skips; tests/hypervisor/test_guest_hardening.py
+        checks it), so its System.map names the function. A relocated kernel would need
+        its offset from the guest's /proc/kallsyms. "" when QEMU cannot say."""
         try:
             text = await asyncio.wait_for(self._qmp.execute(  # type: ignore[union-attr]
                 "human-monitor-command", {"command-line": "info registers -a"}), 2)
@@ -515,7 +564,10 @@ class QemuVM(VM):
                 except ProcessLookupError:
                     pass
                 await proc.wait()
-        for path in (self.agent_socket, self.qmp_socket):
+        if self._console is not None:
+            console, self._console = self._console, None
+            await console.close()
+        for path in (self.agent_socket, self.qmp_socket, self.console_socket):
             _unlink(path)
 
     async def _disconnect_qmp(self) -> None:
@@ -541,20 +593,6 @@ class QemuVM(VM):
         if self._proc is None:
             raise HypervisorError("VM was never launched")
         return await self._proc.wait()
-
-
-def load_command(path: str) -> str:
-    """The command QEMU reads a saved state from: dd with O_DIRECT, so that what a pod's
-    QEMU reads is not charged to the cgroup of the first pod that read it (page cache);
-    where the file system has no O_DIRECT (tmpfs), dd drops what it read instead."""
-    try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
-        how = "iflag=direct"
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # gone meanwhile (discarded by another pod)
-            raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
-        how = "iflag=nocache"
-    return f"dd if={shlex.quote(path)} bs=4M {how} status=none"
 
 
 def _peek_exit(pid: int) -> int | None:

@@ -15,8 +15,9 @@ templates of files that changed are removed when the next one is saved.
 What all pods restored from one template share, and Resume changes in each before any
 of its processes runs: the clock (stopped when the template was saved), the kernel's
 CRNG (reseeded from host entropy), the NICs' MACs (set to the pod's). What they still
-share: the agent's own process (its hash seed, its address layout: the kernel is booted
-with nokaslr anyway), and whatever randomness the guest kernel drew during its boot.
+share: the agent's own process (its hash seed, its address layout), whatever randomness
+the guest kernel drew during its boot, and so the kernel's layout, were it randomized
+(the PVH-booted vmlinux is not relocated at all: README, "Guest").
 Containers are all started after Resume.
 
 Made by the first pod of a shape that finds none (in its own sandbox cgroup, under a

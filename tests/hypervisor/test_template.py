@@ -9,12 +9,15 @@ import json
 import os
 import pathlib
 
+import psutil
 import pytest
 
 from shim.agent import Agent
 from shim.hypervisor import RestoreFailed, VMSpec
+from shim.hypervisor import stateload
 from shim.hypervisor import template as templates
-from shim.hypervisor.qemu import QemuVM, load_command
+from shim.hypervisor.qemu import QemuVM
+from shim.hypervisor.stateload import reader_command
 from shim.network.model import TapNic
 from tests.conftest import require_root
 from tests.vmconfig import vm_config
@@ -96,9 +99,10 @@ def test_one_maker_at_a_time(tmp_path) -> None:
 def test_a_state_is_read_past_the_page_cache_or_dropped_after(tmp_path, monkeypatch) -> None:
     on_disk = tmp_path / "state"
     on_disk.write_bytes(b"x" * 8192)
-    assert load_command(str(on_disk)) == f"dd if={on_disk} bs=4M iflag=direct status=none"
+    assert reader_command(str(on_disk)) == ["dd", f"if={on_disk}", "bs=4M", "iflag=direct",
+                                            "status=none"]
     with pytest.raises(RestoreFailed, match="cannot read the template"):
-        load_command(str(tmp_path / "discarded-meanwhile"))
+        reader_command(str(tmp_path / "discarded-meanwhile"))
 
     # A file system without O_DIRECT (tmpfs before Linux 6.6; this machine's has it)
     # refuses the open with EINVAL: dd then drops what it read from the page cache.
@@ -109,7 +113,8 @@ def test_a_state_is_read_past_the_page_cache_or_dropped_after(tmp_path, monkeypa
 
     real_open = os.open
     monkeypatch.setattr(os, "open", no_direct)
-    assert load_command(str(on_disk)) == f"dd if={on_disk} bs=4M iflag=nocache status=none"
+    assert reader_command(str(on_disk)) == ["dd", f"if={on_disk}", "bs=4M", "iflag=nocache",
+                                            "status=none"]
 
 
 def vm_spec(tmp_path: pathlib.Path, name: str, **changes) -> VMSpec:
@@ -151,4 +156,37 @@ async def test_a_state_that_does_not_fit_the_vm_is_restore_failed(tmp_path) -> N
     with pytest.raises(RestoreFailed, match="did not restore") as err:
         await vm.launch(restore_from=template.state)
     assert template.state in str(err.value)
+    assert vm.dead()
+
+
+@pytest.mark.parametrize("reader", [
+    ["dd", "if=/nonexistent/template.vmstate", "status=none"],  # dd fails at once
+    ["sh", "-c", "head -c 65536 \"$0\"; exit 3"],  # half a state, then dd dies
+])
+async def test_a_reader_that_fails_is_restore_failed(tmp_path, monkeypatch, reader) -> None:
+    """QEMU loads through a pipe from the shim's dd (its seccomp filter forbids running
+    one itself): dd failing, before or in the middle of the state, fails the restore
+    as RestoreFailed (the pod then boots) and leaves no dd behind."""
+    spec = vm_spec(tmp_path, "maker")
+    template = templates.of(spec)
+    await template.make(spec, None)
+    monkeypatch.setattr(stateload, "reader_command",
+                        lambda path: [*reader, path] if reader[0] == "sh" else reader)
+    vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
+    with pytest.raises(RestoreFailed) as err:
+        await vm.launch(restore_from=template.state)
+    assert template.state in str(err.value)
+    assert vm.dead()
+    assert not [c for c in psutil.Process().children(recursive=True) if c.is_running()
+                and c.status() != psutil.STATUS_ZOMBIE]
+
+
+async def test_a_template_gone_before_the_load_is_restore_failed(tmp_path) -> None:
+    spec = vm_spec(tmp_path, "maker")
+    template = templates.of(spec)
+    await template.make(spec, None)
+    os.unlink(template.state)
+    vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
+    with pytest.raises(RestoreFailed, match="cannot read the template"):
+        await vm.launch(restore_from=template.state)
     assert vm.dead()

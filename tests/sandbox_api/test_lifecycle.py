@@ -124,10 +124,10 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         # no pause container: PID 1 of the pod is the agent's namespace holder
         line = await fifos.read(fifos.out, b"\n")
         assert b"pid1=/bin/busybox sh -c trap" in line
-        # the container's rootfs is mounted in the pod's mount namespace (the daemon's and
-        # QEMU's), not in the host's
-        pod_ns = mount_namespace(pod.daemon_pid)
-        assert pod_ns not in (None, mount_namespace()) and mount_namespace(qemu) == pod_ns
+        # the container's rootfs is mounted in the pod's mount namespace (the daemon's;
+        # QEMU's own, its jail, gets it from there), not in the host's
+        pod_ns, qemu_ns = mount_namespace(pod.daemon_pid), mount_namespace(qemu)
+        assert pod_ns not in (None, mount_namespace()) and qemu_ns not in (None, pod_ns)
         assert str(c_bundle / "rootfs") in mounts_under(tmp_path, pod.daemon_pid)
         assert mounts_under(tmp_path) == []
         assert b" host=api-pod\n" in line  # PodSandboxConfig.hostname, in the pod's UTS
@@ -235,7 +235,8 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
         assert not os.path.exists(pod.address.removeprefix("unix://"))
         assert not os.path.exists(f"/run/podvm/{NS}/{pod.id}")
         assert mounts_under(tmp_path) == []
-        assert in_mount_namespace(pod_ns) == []  # so no mount of the pod is left anywhere
+        # so no mount of the pod is left anywhere
+        assert in_mount_namespace(pod_ns) == [] and in_mount_namespace(qemu_ns) == []
         assert not cgroup_exists(pod.sandbox_cgroup)
 
 

@@ -42,6 +42,7 @@ def test_partial_file_keeps_other_defaults(tmp_path: pathlib.Path) -> None:
      "cpu_reservation must be one of shares, exclusive"),
     ("[runtime]\nreserved_cpus = \"0-x\"\n", "reserved_cpus"),
     ("[hypervisor.qemu]\nmemory_overhead = -1\n", "memory_overhead is in MiB"),
+    ("[hypervisor.qemu]\nseccompsandbox = \"off\"\n", "seccompsandbox must be \"\" (off)"),
     ("[runtime\n", "not valid TOML"),
     ("runtime = 3\n", "[runtime] must be a table"),
 ])

@@ -1,0 +1,181 @@
+"""What the guest's and QEMU's hardening costs: runp-to-ready and an idle pod's memory
+(charged to its sandbox cgroup; QEMU's RSS) for the old fast kernel line, each of the
+guest kernel's defences added back to it alone, the new default, and QEMU confined or
+not, each booting and restoring a template. Pods run one at a time through the CRI on a
+private containerd, the configurations alternated pod by pod (the order reversed every
+other round) so that drift on a shared machine hits all alike; medians and min-max.
+
+Each configuration is a podvm configuration file rewritten before its pod's runp (a
+pod's shim reads it at its Create). "+ X" rows: the default line with the other three
+weakening parameters of FAST_PARAMS (shim/hypervisor/qemu.py) added back through
+kernel_params. With templates every configuration's template is made by a warm-up pod
+first (a different kernel line is a different template), not counted.
+
+The PVH-booted vmlinux is never relocated, so its "+ KASLR" row measures a no-op;
+--bzimage adds a row with the compressed kernel, whose decompressor does relocate it.
+
+usage: python bench/hardening_bench.py [--rounds N] [--settle S] [--accel tcg|kvm]
+                                       [--only boot|template] [--bzimage VMLINUZ]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
+from shim.config import QemuConfig  # noqa: E402
+from shim.hypervisor.qemu import FAST_PARAMS  # noqa: E402
+from tests.e2e.containerd import Containerd  # noqa: E402
+from tests.e2e.cri import Crictl, write_config  # noqa: E402
+from tests.e2e.test_crictl import pod_config  # noqa: E402
+from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
+from tests.vmconfig import write_test_config  # noqa: E402
+
+MIB = 1 << 20
+DEFENCES = {"KASLR": "nokaslr", "mitigations": "mitigations=off",
+            "LSMs": "lsm=capability", "init_on_alloc": "init_on_alloc=0"}
+UNCONFINED = {"seccompsandbox": "", "enable_jail": False}
+"""QEMU's confinement off (the keys that exist in shim/config.py)."""
+
+
+def configurations(bzimage: str = "") -> dict[str, dict[str, object]]:
+    """Row name -> [hypervisor.qemu] keys."""
+    unconfined = {k: v for k, v in UNCONFINED.items()
+                  if k in {f.name for f in dataclasses.fields(QemuConfig)}}
+    rows: dict[str, dict[str, object]] = {}
+    if unconfined:
+        rows["before: fast line, QEMU unconfined"] = dict(guest_kernel_hardening=False,
+                                                          **unconfined)
+    rows["fast line (guest_kernel_hardening = false)"] = {"guest_kernel_hardening": False}
+    for name, weak in DEFENCES.items():
+        others = " ".join(w for w in FAST_PARAMS.split() if w != weak)
+        rows[f"  + {name} alone"] = {"kernel_params": others}
+        if name == "KASLR" and bzimage:
+            rows["  + KASLR alone, bzImage"] = {"kernel_params": others, "kernel": bzimage}
+    if unconfined:
+        rows["default line, QEMU unconfined"] = dict(unconfined)
+    rows["after: the defaults"] = {}
+    return rows
+
+
+@dataclasses.dataclass
+class Sample:
+    ready_s: float
+    cpu_s: float
+    """QEMU's CPU time (all threads) from its start to the pod's ready: the work a boot
+    or restore takes, which other load on the machine stretches far less than ready."""
+    charged_mib: float
+    qemu_rss_mib: float
+
+
+def write(path: pathlib.Path, work: pathlib.Path, accel: str, template: bool,
+          keys: dict[str, object]) -> None:
+    own = {k: v for k, v in keys.items() if k == "kernel"}  # write_test_config writes it
+    write_test_config(path, accel=accel, enable_template=template,
+                      template_path=str(work / "templates"), **own)
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if k not in own)
+    path.write_text(path.read_text().replace("[runtime]\n", lines + "[runtime]\n", 1))
+
+
+def one_pod(ctd: Containerd, crictl: Crictl, work: pathlib.Path, name: str,
+            settle: float) -> Sample:
+    pod_file = write_config(work, f"{name}.json", pod_config(ctd, work, name))
+    started = time.monotonic()
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+    try:
+        ready = time.monotonic() - started
+        (qemu,) = pod_qemus(pod_id)
+        cpu = process_cpu_s(qemu)
+        time.sleep(settle)
+        return Sample(ready, cpu, charged_bytes(sandbox_cgroups(qemu)) / MIB,
+                      status_kib(qemu, "VmRSS") / 1024)
+    finally:
+        crictl.run("stopp", pod_id, check=False)
+        crictl.run("rmp", pod_id, check=False)
+
+
+def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
+    rows = configurations(args.bzimage)
+    modes = [m for m in ("boot", "template") if args.only in ("", m)]
+    samples: dict[tuple[str, str], list[Sample]] = {(r, m): [] for r in rows for m in modes}
+    with tempfile.TemporaryDirectory(prefix="podvm-hardening-") as tmp:
+        work = pathlib.Path(tmp)
+        config = work / "podvm.toml"
+        write(config, work, args.accel, False, {})
+        with Containerd(work / "containerd", namespace="podvm-hardening", cri=True,
+                        podvm_config=config) as ctd:
+            ctd.import_cri_images(work)
+            crictl = Crictl(ctd.cri_endpoint, timeout="120s")
+            count = 0
+            if "template" in modes:
+                for i, (row, keys) in enumerate(rows.items()):
+                    write(config, work, args.accel, True, keys)
+                    one_pod(ctd, crictl, work, f"w{i}", 0)
+                    print(f"template made: {row}", flush=True)
+            for rnd in range(args.rounds):
+                order = list(rows.items())
+                for row, keys in order if rnd % 2 == 0 else reversed(order):
+                    for mode in modes if rnd % 2 == 0 else reversed(modes):
+                        write(config, work, args.accel, mode == "template", keys)
+                        count += 1
+                        s = one_pod(ctd, crictl, work, f"p{count}", args.settle)
+                        samples[(row, mode)].append(s)
+                        print(f"round {rnd} {mode:8} {row}: ready {s.ready_s:.2f} s, "
+                              f"QEMU CPU {s.cpu_s:.2f} s, "
+                              f"charged {s.charged_mib:.0f} MiB, QEMU RSS "
+                              f"{s.qemu_rss_mib:.0f} MiB", flush=True)
+    return samples
+
+
+def spread(values: list[float], digits: int) -> str:
+    med = statistics.median(values)
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def report(samples: dict[tuple[str, str], list[Sample]], args: argparse.Namespace) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"\n{args.rounds} pods per row, accel={args.accel}, idle {args.settle:g} s before "
+          f"the memory is read; median (min-max); {when}, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("| configuration | pods | runp to ready s | QEMU CPU to ready s | vs fast line "
+          "(CPU) | charged MiB | QEMU RSS MiB |\n|---|---|---|---|---|---|---|")
+    fast = "fast line (guest_kernel_hardening = false)"
+    for (row, mode), got in samples.items():
+        cpu = [s.cpu_s for s in got]
+        base = samples.get((fast, mode))
+        delta = statistics.median(cpu) - statistics.median(s.cpu_s for s in base) \
+            if base else 0.0
+        print(f"| {row.strip()} | {mode} | {spread([s.ready_s for s in got], 2)} | "
+              f"{spread(cpu, 2)} | {delta:+.2f} | "
+              f"{spread([s.charged_mib for s in got], 0)} | "
+              f"{spread([s.qemu_rss_mib for s in got], 0)} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2, help="pods per configuration and mode")
+    parser.add_argument("--settle", type=float, default=4.0,
+                        help="seconds an idle pod runs before its memory is read")
+    parser.add_argument("--accel", default="tcg")
+    parser.add_argument("--bzimage", default="", metavar="VMLINUZ",
+                        help="also the guest's kernel as Debian ships it (the vmlinuz of "
+                             "build/guest/manifest.json's release), booted through its "
+                             "decompressor: the one boot path where KASLR takes effect")
+    parser.add_argument("--only", choices=("boot", "template"), default="",
+                        help="only pods that boot, or only pods that restore a template")
+    args = parser.parse_args()
+    report(run(args), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""QEMU confined (shim/hypervisor/jail.py, its -sandbox) for pods made through containerd's
+CRI: /proc shows the seccomp filter, no_new_privs and only the capabilities README names;
+its root holds the pod's files and no other pod's, nor containerd's; a container's files,
+mounted after QEMU started, reach QEMU's namespace and leave it again; the guest's root
+still owns, chmods and writes its files over 9p; `podvmctl status` says all this.
+Real containerd, real QEMU under TCG (pods restored from a template, as by default)."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from shim import paths, status
+from shim.hypervisor import jail
+from tests.conftest import require_root, require_tool
+from tests.vmconfig import guest_image, write_test_config
+
+from .containerd import CRI_NAMESPACE, Containerd, mount_namespace, mounts_under, shims_of
+from .cri import Crictl
+from .test_crictl import wait_for
+from .test_podvm_pods import pod_qemus, qemus, remove_pod, runp, start_container
+
+KEEP_MASK = sum(1 << jail.CAPABILITIES.index(name) for name in jail.KEEP)
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    require_root()
+    for tool in ("containerd", "ctr"):
+        require_tool(tool, "containerd")
+    guest_image()
+    workdir = tmp_path_factory.mktemp("podvm-jail")
+    c = Containerd(workdir / "containerd", namespace="podvm-jail-test", cri=True,
+                   podvm_config=write_test_config(workdir / "podvm.toml"))
+    c.start()
+    try:
+        c.import_cri_images(image_cache)
+        yield c
+    finally:
+        c.stop()
+    assert c.forced == [], f"stop() had to force: {c.forced}"
+    assert shims_of(c.address) == [] and qemus(c.cgroup_parent) == []
+    assert mounts_under(c.workdir) == []
+
+
+@pytest.fixture(scope="module")
+def crictl(ctd) -> Crictl:
+    return Crictl(ctd.cri_endpoint, timeout="120s")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("podvm-jail-configs")
+
+
+@pytest.fixture(scope="module")
+def pods(ctd, crictl, configs):
+    """Two pods: what one's QEMU sees of the other is the question."""
+    ids: list[str] = []
+    made = []
+    try:
+        for name in ("jail-a", "jail-b"):
+            pod_id, pod_file = runp(crictl, ctd, configs, name)
+            ids.append(pod_id)
+            cid = start_container(crictl, configs, pod_id, pod_file, f"{name}-c",
+                                  "echo up; sleep 1000")
+            wait_for("the container's output", lambda: "up" in crictl.logs(cid).stdout)
+            made.append({"pod": pod_id, "file": pod_file, "container": cid,
+                         "qemu": pod_qemus(pod_id)[0]})
+        yield made
+    finally:
+        for pod_id in ids:
+            remove_pod(crictl, pod_id)
+
+
+def test_a_pod_s_qemu_is_confined_as_proc_shows(pods) -> None:
+    for pod in pods:
+        pid = pod["qemu"]
+        fields = dict(line.split(":", 1) for line in
+                      pathlib.Path(f"/proc/{pid}/status").read_text().splitlines())
+        assert fields["Seccomp"].strip() == "2" and fields["NoNewPrivs"].strip() == "1"
+        assert int(fields["CapEff"], 16) == KEEP_MASK == int(fields["CapBnd"], 16)
+        shim = int(fields["PPid"])
+        assert mount_namespace(pid) not in (mount_namespace(shim), mount_namespace())
+        report = status.collect(status.find(pod["pod"], CRI_NAMESPACE))
+        assert report["confinement"] == {"seccomp": 2, "no_new_privs": 1,
+                                         "capabilities": list(jail.KEEP),
+                                         "own_mount_namespace": True}
+        assert "QEMU confinement: seccomp 2 (filter), no_new_privs 1, capabilities " \
+               "chown,dac_override,fowner,fsetid, own mount namespace yes" in \
+               status.render(report)
+
+
+def test_its_root_has_the_pod_s_files_and_not_the_host_s(ctd, pods) -> None:
+    a, b = pods
+    root = f"/proc/{a['qemu']}/root"
+    mine, theirs = (paths.state_dir(CRI_NAMESPACE, p["pod"]) for p in (a, b))
+    assert os.path.isdir(f"{root}{mine}/vm")
+    for absent in (theirs, f"{theirs}/vm", str(ctd.workdir), "/etc/shadow",
+                   "/var/lib/containerd", "/run/containerd", f"{mine}/sandbox.json",
+                   "/proc/1", "/sys/fs/cgroup"):
+        assert not os.path.lexists(f"{root}{absent}"), absent
+    with pytest.raises(OSError):
+        pathlib.Path(f"{root}/usr/planted").write_text("x")
+
+
+def test_a_container_s_files_reach_qemu_after_it_started_and_leave_with_it(
+        crictl, configs, pods) -> None:
+    """The shared directory is bound recursively as a slave: the rootfs of a container
+    created after QEMU started is there in QEMU's namespace (else the guest could not
+    run it), and its removal unmounts it there too."""
+    pod = pods[0]
+    cid = start_container(crictl, configs, pod["pod"], pod["file"], "late",
+                          "echo late-up; sleep 1000")
+    wait_for("the late container's output", lambda: "late-up" in crictl.logs(cid).stdout)
+    qemu_mounts = pathlib.Path(f"/proc/{pod['qemu']}/mountinfo")
+    assert cid in qemu_mounts.read_text()
+    crictl.run("stop", cid)
+    crictl.run("rm", cid)
+    wait_for("the late container's mounts gone from QEMU's namespace",
+             lambda: cid not in qemu_mounts.read_text())
+
+
+def test_the_guest_s_root_still_owns_and_modes_its_files(crictl, pods) -> None:
+    """What the capabilities kept are for: 9p file ownership, modes, set-id bits."""
+    cid = pods[1]["container"]
+    result = crictl.exec(cid, "sh", "-c",
+                         "cd /tmp && mkdir -p d && chown 1000:1000 d && chmod 755 d && "
+                         "touch d/x f && chown 1000:1000 f && chmod 2750 f && "
+                         "stat -c '%u %g %a' f d/x && mknod n c 1 3 || echo mknod-refused")
+    assert result.exit_code == 0, result
+    assert result.stdout.split("\n")[:3] == ["1000 1000 2750", "0 0 644", "mknod-refused"], \
+        result.stdout
