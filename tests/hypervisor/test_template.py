@@ -173,12 +173,17 @@ async def test_a_reader_that_fails_is_restore_failed(tmp_path, monkeypatch, read
     monkeypatch.setattr(stateload, "reader_command",
                         lambda path: [*reader, path] if reader[0] == "sh" else reader)
     vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
+    before = _live_children()  # the run's own (multiprocessing's resource tracker...)
     with pytest.raises(RestoreFailed) as err:
         await vm.launch(restore_from=template.state)
     assert template.state in str(err.value)
     assert vm.dead()
-    assert not [c for c in psutil.Process().children(recursive=True) if c.is_running()
-                and c.status() != psutil.STATUS_ZOMBIE]
+    assert _live_children() - before == set()
+
+
+def _live_children() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True)
+            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE}
 
 
 async def test_a_template_gone_before_the_load_is_restore_failed(tmp_path) -> None:
