@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
 from shim.config import QemuConfig  # noqa: E402
-from shim.hypervisor.qemu import FAST_PARAMS  # noqa: E402
+from shim.hypervisor.qemu_command import FAST_PARAMS  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402

@@ -45,7 +45,7 @@ class QemuConfig:
     output; shim/hypervisor/console.py)."""
     guest_kernel_hardening: bool = True
     """false: the guest kernel without its mitigations, LSMs and zeroed allocations
-    (shim/hypervisor/qemu.py FAST_PARAMS): faster, weaker isolation."""
+    (shim/hypervisor/qemu_command.py FAST_PARAMS): faster, weaker isolation."""
     kernel_params: str = ""
     """Kata's key: parameters added to the guest kernel's command line."""
     seccompsandbox: str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"

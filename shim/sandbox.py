@@ -22,7 +22,8 @@ from .cpus import pinning
 from .hostcgroup import HostCgroup, layout_for
 from .hypervisor import VM, HypervisorError, RestoreFailed, ThreadRole, VMSpec
 from .hypervisor import template as templates
-from .hypervisor.qemu import QemuVM, template_mac
+from .hypervisor.qemu import QemuVM
+from .hypervisor.qemu_command import template_mac
 from .mounts import Mount
 from .network import remote
 from .network.errors import NetworkError

@@ -9,7 +9,8 @@ import pathlib
 import pytest
 
 from shim.config import ConfigError, QemuConfig, parse
-from shim.hypervisor.qemu import FAST_PARAMS, TEMPLATE_PARAM, QemuVM, kernel_line
+from shim.hypervisor.qemu import QemuVM
+from shim.hypervisor.qemu_command import FAST_PARAMS, TEMPLATE_PARAM, kernel_line
 from shim.resources.annotations import KATA, apply_kata_overrides
 from shim.resources.model import PlanError
 from tests.guestprobe import run_probe
