@@ -17,6 +17,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
+from .. import beneath
 from ..libc import last_errno, libc
 from . import pidfilter
 from .base import VMSpec
@@ -27,9 +28,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 0x20, 0x1000, 0x4000, 0x80000
 MNT_DETACH = 2
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 24, 38, 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
-SYS_PIVOT_ROOT, SYS_CAPGET, SYS_CAPSET, SYS_MOUNT_SETATTR = 155, 125, 126, 442
-AT_RECURSIVE = 0x8000
-MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x2, 0x4, 0x8
+SYS_PIVOT_ROOT, SYS_CAPGET, SYS_CAPSET = 155, 125, 126
 _CAP_VERSION_3 = 0x20080522
 
 CAPABILITIES = (
@@ -128,11 +127,14 @@ class Jail:
             # Each mount below keeps its own read-only flag (the shared directory's
             # read-only view, a container's rw rootfs); nosuid, nodev and noexec are
             # added to all there now (those attached later come with the shim's flags).
-            attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
-                                         | MOUNT_ATTR_NOEXEC, 0, 0, 0)
-            _call(libc().syscall(SYS_MOUNT_SETATTR, -100, target.encode(), AT_RECURSIVE,
-                                 ctypes.byref(attr), ctypes.sizeof(attr)),
-                  f"mount_setattr({bind.source})")
+            fd = os.open(target, os.O_PATH | os.O_CLOEXEC)
+            try:
+                beneath.set_attributes(fd, recursive=True, attr_set=beneath.MOUNT_ATTR_NOSUID
+                                       | beneath.MOUNT_ATTR_NODEV | beneath.MOUNT_ATTR_NOEXEC)
+            except OSError as exc:
+                raise JailError(exc.errno, f"QEMU's jail: {bind.source}: {exc}") from None
+            finally:
+                os.close(fd)
             return
         flags = MS_NOSUID | (0 if bind.device else MS_NODEV) | \
             (0 if bind.writable else MS_RDONLY) | \
