@@ -13,35 +13,19 @@ import pytest
 
 from shim import paths, status
 from shim.hypervisor import jail
-from tests.conftest import require_root, require_tool
-from tests.vmconfig import guest_image, write_test_config
 
-from .containerd import CRI_NAMESPACE, Containerd, mount_namespace, mounts_under, shims_of
+from .containerd import CRI_NAMESPACE, mount_namespace
 from .cri import Crictl
 from .test_crictl import wait_for
-from .test_podvm_pods import pod_qemus, qemus, remove_pod, runp, start_container
+from .test_podvm_pods import (cri_containerd, pod_qemus, remove_pod, runp,
+                             start_container)
 
 KEEP_MASK = sum(1 << jail.CAPABILITIES.index(name) for name in jail.KEEP)
 
 
 @pytest.fixture(scope="module")
 def ctd(tmp_path_factory, image_cache):
-    require_root()
-    for tool in ("containerd", "ctr"):
-        require_tool(tool, "containerd")
-    guest_image()
-    workdir = tmp_path_factory.mktemp("podvm-jail")
-    c = Containerd(workdir / "containerd", namespace="podvm-jail-test", cri=True,
-                   podvm_config=write_test_config(workdir / "podvm.toml"))
-    c.start()
-    try:
-        c.import_cri_images(image_cache)
-        yield c
-    finally:
-        c.stop()
-    assert c.forced == [], f"stop() had to force: {c.forced}"
-    assert shims_of(c.address) == [] and qemus(c.cgroup_parent) == []
-    assert mounts_under(c.workdir) == []
+    yield from cri_containerd(tmp_path_factory, image_cache, "podvm-jail", "podvm-jail-test")
 
 
 @pytest.fixture(scope="module")

@@ -86,15 +86,16 @@ def podvm_leftovers(ctd: Containerd, pod_id: str) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def ctd(tmp_path_factory, image_cache):
+def cri_containerd(tmp_path_factory, image_cache, name: str, namespace: str, **qemu):
+    """A fixture's body: a CRI containerd of its own with the test images and podvm
+    configured by `qemu` keys; afterwards nothing of it may be left."""
     require_root()
     for tool in ("containerd", "ctr"):
         require_tool(tool, "containerd")
     guest_image()
-    workdir = tmp_path_factory.mktemp("podvm-cri")
-    config = write_test_config(workdir / "podvm.toml", enable_template=False)
-    c = Containerd(workdir / "containerd", namespace="podvm-vm-test", cri=True,
+    workdir = tmp_path_factory.mktemp(name)
+    config = write_test_config(workdir / "podvm.toml", **qemu)
+    c = Containerd(workdir / "containerd", namespace=namespace, cri=True,
                    podvm_config=config)
     c.start()
     try:
@@ -105,6 +106,12 @@ def ctd(tmp_path_factory, image_cache):
     assert c.forced == [], f"stop() had to force: {c.forced}"
     assert shims_of(c.address) == [] and qemus(c.cgroup_parent) == []
     assert mounts_under(c.workdir) == []
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    yield from cri_containerd(tmp_path_factory, image_cache, "podvm-cri", "podvm-vm-test",
+                              enable_template=False)
 
 
 @pytest.fixture(scope="module")
