@@ -26,7 +26,7 @@ from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, TtrpcError, bind
-from shim.paths import STATE_ROOT
+from shim.host.paths import STATE_ROOT
 from tests.e2e.taskshim import EventSink, busybox_rootfs, join_netns, spec
 
 PREFIX = "podvm-bench-"
@@ -227,7 +227,7 @@ def work_dir(pid: int) -> pathlib.Path:
 def remove_work(work: pathlib.Path) -> None:
     """A run's bundles: rootfs binds a killed shim left are unmounted first, so that
     removing the tree never reaches through one."""
-    from shim.mounts import unmount_all
+    from shim.host.mounts import unmount_all
 
     if work.exists():
         unmount_all(str(work))
@@ -247,7 +247,7 @@ def stale_pids() -> set[int]:
 def sweep_stale() -> list[str]:
     """The pods of killed runs removed by the shim's own cleanup (daemon, QEMU, mounts,
     cgroups, state), and their work directories; the pod ids swept."""
-    from shim.cleanup import cleanup_container
+    from shim.host.cleanup import cleanup_container
 
     swept = []
     for pid in sorted(stale_pids()):

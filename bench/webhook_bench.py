@@ -37,8 +37,7 @@ import aiohttp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.webhook.harness import (REALTIME_PRIORITY, Webhook, container, pod,  # noqa: E402
-                                   review)
+from tests.podvm_webhook.harness import REALTIME_PRIORITY, Webhook, container, pod, review
 
 CONFIG = """\
 [hypervisor.qemu]

@@ -37,22 +37,22 @@ class QemuConfig:
     the sandbox cgroup); 0 = podvm's measured figure for the accel."""
     enable_template: bool = True
     """Pods restore a template of their VM's shape instead of booting: the first pod of
-    a shape boots one and saves it (shim/hypervisor/template.py)."""
+    a shape boots one and saves it (shim/vm/template.py)."""
     template_path: str = "/var/lib/podvm/templates"
     """Where templates are kept: one saved state per VM shape and guest image."""
     console_log_max_kib: int = 256
     """The most of the guest's serial console kept in its console.log (the newest
-    output; shim/hypervisor/console.py)."""
+    output; shim/vm/console.py)."""
     guest_kernel_hardening: bool = True
     """false: the guest kernel without its mitigations, LSMs and zeroed allocations
-    (shim/hypervisor/qemu_command.py FAST_PARAMS): faster, weaker isolation."""
+    (shim/vm/qemu_command.py FAST_PARAMS): faster, weaker isolation."""
     kernel_params: str = ""
     """Kata's key: parameters added to the guest kernel's command line."""
     seccompsandbox: str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
     """QEMU's -sandbox option (its seccomp filter), Kata's key; "" turns it off."""
     enable_jail: bool = True
     """QEMU in its own mount namespace with only the pod's files, its capabilities cut
-    (shim/hypervisor/jail.py); false only to debug: weaker isolation."""
+    (shim/vm/jail.py); false only to debug: weaker isolation."""
 
     @property
     def vmm_overhead_mib(self) -> int:

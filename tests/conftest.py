@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from shim.paths import STATE_ROOT
+from shim.host.paths import STATE_ROOT
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

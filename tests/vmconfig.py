@@ -14,7 +14,7 @@ from tests.conftest import require, require_tool
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # PODVM_GUEST_DIR: another image (one being built and tried beside the default one)
 GUEST = pathlib.Path(os.environ.get("PODVM_GUEST_DIR") or ROOT / "build" / "guest")
-# The templates pods of this run make and restore (shim/hypervisor/template.py): this
+# The templates pods of this run make and restore (shim/vm/template.py): this
 # process's own, removed by remove_templates() when the run ends.
 TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
 

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Mapping
 
 from podvm_core.atomic import write_json
 
-from ..processes import start_time
+from ..host.processes import start_time
 from .cpuset import SYS_CPU, core_siblings, format_cpu_list, online_cpus, parse_cpu_list
 
 DEFAULT_DIR = "/run/podvm/cpus"

@@ -43,7 +43,7 @@ CLOSE_TIMEOUT = 2
 
 
 class Guest(Protocol):
-    """What the forwarder asks of the guest agent (shim/agent.py's Agent)."""
+    """What the forwarder asks of the guest agent (shim/vm/agent.py's Agent)."""
 
     async def open_port_forward(self, port: int) -> int: ...
     async def read_port_forward(self, stream_id: int, max_bytes: int) -> bytes: ...

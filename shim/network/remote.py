@@ -119,7 +119,7 @@ def _request(op: str, netns: str, taps: list[str] | tuple[str, ...]) -> bytes:
 
 def _nics(netns: str, reply: dict, fds: list[int]) -> tuple[PodNetwork, tuple[TapNic, ...]]:
     # Here, not at the top: the daemon starts a worker before it loads the pod's model.
-    from ..podstate import dataclass_from_json
+    from ..host.podstate import dataclass_from_json
 
     try:
         network = dataclass_from_json(PodNetwork, reply["network"], "the network worker's answer")

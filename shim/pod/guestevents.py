@@ -5,7 +5,7 @@ can answer at once, forever; so the watcher takes a token of the pod's bucket be
 asks again. Above the rate, what the guest has to say waits in the guest (its memory,
 not the host's), and the host asks, logs and publishes at most OOM_RATE events a second
 (OOM_BURST at once). Which container an event names is the guest's word: the listener
-checks it is one of the pod's (shim/task/reporting.py)."""
+checks it is one of the pod's (shim/api/task/reporting.py)."""
 from __future__ import annotations
 
 import logging
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Callable
 
 from podvm_core.ttrpc import TtrpcError
 
-from ..ratelimit import TokenBucket
+from podvm_core.ratelimit import TokenBucket
 
 if TYPE_CHECKING:
-    from ..agent import Agent
+    from ..vm.agent import Agent
 
 log = logging.getLogger("podvm.pod")
 

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 from podvm_core.ttrpc import Code, TtrpcError
 
-from .. import errors
+from ..api import errors
 from ..config import Config
 from ..resources import (ContainerResources, Host, NoFit, PlanDelta, PlanError, SandboxPlan,
                         StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)

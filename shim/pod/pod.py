@@ -20,15 +20,17 @@ from podvm_core.ttrpc import Code, TtrpcError
 
 import cgroups
 
-from .. import config, errors, guestspec
+from .. import config
+from ..api import errors
+from ..vm import guestspec
 from ..cpus.allocator import Allocator, AllocatorError
 from ..cpus.pinning import guest_cpus_for_update
-from ..hostcgroup import pod_cgroup_limits
-from ..hypervisor import HypervisorError
+from ..host.cgroup import pod_cgroup_limits
+from ..vm.hypervisor import HypervisorError
 from ..network import remote
 from ..resources import ContainerResources, PlanError, SandboxPlan, StaticSizeExceeded
 from ..resources.model import from_linux_resources
-from ..sandbox import Sandbox, host
+from ..vm.sandbox import Sandbox, host
 from .hostns import (HOST_NAMESPACES, host_namespaces_refusal, refuse_host_propagation,
                      spec_namespaces)
 from .guestevents import oom_bucket, watch_oom
@@ -37,15 +39,15 @@ from .sysctls import check_pod_sysctls
 from .planner import PodPlanner, parse_linux_resources, planned, planning_error
 
 if TYPE_CHECKING:
-    from ..agent import Agent
-    from ..stdio import Stdio
+    from ..vm.agent import Agent
+    from ..vm.stdio import Stdio
 
 log = logging.getLogger("podvm.pod")
 
 
 class StaticRefusal(Exception):
     """Growth a static-mode VM cannot take: refused, after what fits was applied.
-    shim/errors.py answers it FAILED_PRECONDITION."""
+    shim/api/errors.py answers it FAILED_PRECONDITION."""
 
 
 class PodListener(Protocol):

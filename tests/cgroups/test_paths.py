@@ -146,6 +146,6 @@ def test_roles_map_to_children(role, child):
 
 
 def test_the_hypervisors_role_enum_is_accepted():
-    from shim.hypervisor.base import ThreadRole
+    from shim.vm.hypervisor import ThreadRole
     assert child_for_role(ThreadRole.VCPU) == "vcpus"
     assert child_for_role(ThreadRole.IOTHREAD) == "vmm"

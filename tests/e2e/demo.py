@@ -110,7 +110,7 @@ def main() -> int:
             print(f"host kernel: {os.uname().release}")
             say(f"podvmctl status {pod_id[:13]}: its plan, its cgroup, where every host "
                 f"thread runs")
-            from shim import status
+            from podvmctl import status
 
             print(status.render(status.collect(status.find(pod_id))))
             exec_result = crictl.exec(web, "sh", "-c", "exit 3")

@@ -22,8 +22,8 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, bind
 from tests.conftest import require_root, run_namespace
-from tests.shim.shimproc import daemon_pid, run_shim
-from tests.shim.test_process_contract import wait_gone
+from tests.contract.shimproc import daemon_pid, run_shim
+from tests.contract.test_process_contract import wait_gone
 from tests.vmconfig import write_test_config
 
 from .image import _layer

@@ -1,4 +1,4 @@
-"""QEMU confined (shim/hypervisor/jail.py, its -sandbox) for pods made through containerd's
+"""QEMU confined (shim/vm/jail.py, its -sandbox) for pods made through containerd's
 CRI: /proc shows the seccomp filter, no_new_privs and only the capabilities README names;
 its root holds the pod's files and no other pod's, nor containerd's; a container's files,
 mounted after QEMU started, reach QEMU's namespace and leave it again; the guest's root
@@ -11,8 +11,9 @@ import pathlib
 
 import pytest
 
-from shim import paths, status
-from shim.hypervisor import jail
+from shim.host import paths
+from podvmctl import status
+from shim.vm import jail
 
 from .containerd import CRI_NAMESPACE, mount_namespace
 from .cri import Crictl

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from shim import mounts, paths
+from shim.host import mounts, paths
 from tests.conftest import require_root
 
 from .containerd import mounts_under, shims_of

@@ -11,7 +11,8 @@ import signal
 
 import pytest
 
-from shim import paths, status
+from shim.host import paths
+from podvmctl import status
 from shim.cpus.allocator import Allocator, start_time
 from shim.cpus.cpuset import format_cpu_list
 from tests.conftest import require

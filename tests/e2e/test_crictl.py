@@ -17,7 +17,7 @@ import tomllib
 
 import pytest
 
-from shim import paths
+from shim.host import paths
 from tests.conftest import require_root, require_tool
 
 from .containerd import (CRI_NAMESPACE, PODVM_SNIPPET, REPO_ROOT, Containerd, cgroup_dirs,

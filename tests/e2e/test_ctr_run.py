@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from shim import paths
+from shim.host import paths
 from tests.vmconfig import GUEST, write_test_config
 
 from .containerd import mounts_under, podvm_shims

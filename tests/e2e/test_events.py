@@ -5,7 +5,7 @@ import asyncio
 import shutil
 
 from podvm_core.pb.containerd.events.task_pb2 import TaskExit, TaskOOM
-from shim.events import Publisher
+from shim.api.events import Publisher
 
 
 async def published(containerd, publisher: Publisher, topic: str, event, needle: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shim import status
+from podvmctl import status
 from tests.conftest import require_root
 
 from .containerd import CRI_NAMESPACE

@@ -182,7 +182,7 @@ def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
 async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs) -> None:
     """`delete` (containerd runs it when a shim is gone) finds QEMU, mounts and the
     sandbox cgroup from sandbox.json alone."""
-    from tests.shim.shimproc import daemon_pid, run_shim
+    from tests.contract.shimproc import daemon_pid, run_shim
 
     parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
     shim = task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pathlib
 import time
 
-from shim import paths
+from shim.host import paths
 
 from .containerd import CRI_NAMESPACE, shims_of
 from .cri import write_config

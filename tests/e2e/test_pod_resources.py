@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from shim import paths, status
+from shim.host import paths
+from podvmctl import status
 from shim.config import MEASURED_OVERHEAD_MIB
 from tests.conftest import require_root, require_tool
 from tests.vmconfig import guest_image, write_test_config

@@ -1,4 +1,4 @@
-"""Templates (shim/hypervisor/template.py) through the CRI, as a user sees them: the first
+"""Templates (shim/vm/template.py) through the CRI, as a user sees them: the first
 podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
 it and is the pod it asked for: the host's clock, its own MAC on its own network (served
 over HTTP to the host), its containers on its own 9p share. A template that no longer

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from shim import config, status
+from shim import config
+from podvmctl import status
 from shim.resources.annotations import KATA
-from tests.webhook.harness import Webhook, apply_patch, container, decoded_patch, pod
+from tests.podvm_webhook.harness import Webhook, apply_patch, container, decoded_patch, pod
 
 from .containerd import CRI_NAMESPACE
 from .cri import Crictl, write_config

@@ -14,15 +14,15 @@ import pytest
 
 from podvm_core.protocol import SANDBOX_NS
 from podvm_core.ttrpc import Code, TtrpcError
-from shim.agent import Agent
-from shim.guestspec import GUEST_SHARED
-from shim.hypervisor import VMSpec
-from shim.hypervisor.qemu import QemuVM
+from shim.vm.agent import Agent
+from shim.vm.guestspec import GUEST_SHARED
+from shim.vm.hypervisor import VMSpec
+from shim.vm.qemu import QemuVM
 from shim.network.attach import attach
 from shim.network.detach import detach
 from shim.network.model import PodNetwork, Route
 from shim.network.read import read_network
-from shim.stdio import Stdio
+from shim.vm.stdio import Stdio
 from tests.conftest import require_root
 from tests.e2e.taskshim import busybox_rootfs, spec
 from tests.network.conftest import PEER_MAC, POD_MAC, Namespace, _namespace

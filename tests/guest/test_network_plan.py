@@ -11,7 +11,7 @@ import pytest
 from guest.agent import network
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.ttrpc import Code, TtrpcError
-from shim.agent import network_request
+from shim.vm.agent import network_request
 from shim.network.model import Address, Interface, PodNetwork, Route
 
 MAC = "02:00:0a:09:00:02"

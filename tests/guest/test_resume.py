@@ -1,7 +1,7 @@
 """The agent's Resume (guest/agent/resume.py) refuses what it cannot apply whole before
 it changes anything: too little entropy, no clock, a template MAC none of the guest's
 devices has. What it does is seen in a restored guest (tests/e2e/test_templates.py,
-tests/hypervisor/test_template.py)."""
+tests/vm/test_template.py)."""
 from __future__ import annotations
 
 import time

@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 from shim.network.model import Address, Interface, PodNetwork, Route, TapNic
-from shim.podstate import dataclass_from_json
+from shim.host.podstate import dataclass_from_json
 
 
 def test_qemu_arguments() -> None:

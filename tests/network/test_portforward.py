@@ -17,7 +17,7 @@ import pytest
 from guest.agent.service import AgentService
 from podvm_core.pb.agent import agent_pb2
 from podvm_core.ttrpc import Client, Server, bind
-from shim.agent import Agent
+from shim.vm.agent import Agent
 from shim.network.enter import made_inside
 from shim.network.portforward import LISTEN_ADDRESS, PortForwarder
 from tests.conftest import require_tool

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from podvm_core.pb.cri import api_pb2 as cri
-from shim import guestspec
+from shim.vm import guestspec
 from shim.pod.podfiles import HOSTS, PodFiles, resolv_conf, with_mounts
 
 

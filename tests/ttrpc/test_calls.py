@@ -11,8 +11,8 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as task
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, TtrpcError, bind
 from podvm_core.ttrpc.codes import Code
 from podvm_core.ttrpc.framing import MAX_DATA
-from shim import errors
-from shim.hypervisor import VMExited
+from shim.api import errors
+from shim.vm.hypervisor import VMExited
 
 from .conftest import SERVICE, EchoTask
 
@@ -148,7 +148,7 @@ async def test_close_with_grace_drops_a_peer_that_stays(server, socket_path: str
 
 async def test_typed_errors_answer_the_code_of_the_error_table(tmp_path) -> None:
     """A handler's own typed error (here: the VM died) reaches containerd with the one
-    code shim/errors.py gives it, not UNKNOWN, and the connection stays usable."""
+    code shim/api/errors.py gives it, not UNKNOWN, and the connection stays usable."""
     class Dying:
         async def State(self, req: task.StateRequest, ctx) -> task.StateResponse:
             raise VMExited("QEMU (pid 7) was killed by signal SIGKILL")

@@ -1,0 +1,114 @@
+"""podvmctl: inspect podvm from the host: its configuration, running sandboxes, and how a
+manifest's pods will be sized."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from shim import __version__, config
+from . import status
+
+
+def _config(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.load(args.file or "")
+    except config.ConfigError as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return 0
+    print(f"# effective podvm configuration, from {cfg.source}")
+    for section, attr in (("hypervisor.qemu", "qemu"), ("runtime", "runtime")):
+        print(f"\n[{section}]")
+        for key, value in dataclasses.asdict(getattr(cfg, attr)).items():
+            print(f"{key} = {_toml(value)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        report = status.collect(status.find(args.sandbox, args.namespace or ""))
+    except (status.StatusError, OSError, ValueError) as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else status.render(report))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import plan
+    from podvm_webhook.policy import Policy
+
+    try:
+        policy = Policy(config.load(args.config or ""),
+                        frozenset(args.runtime_classes or ["podvm"]))
+        verdicts = plan.plan_manifest(args.manifest, policy)
+    except (config.ConfigError, plan.ManifestError) as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([plan.as_json(what, v) for what, v in verdicts], indent=2))
+    else:
+        print("\n".join(plan.render(what, v, policy) for what, v in verdicts), end="")
+    return 0 if all(v.allowed for _, v in verdicts) else 1
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="podvmctl", description=__doc__)
+    p.add_argument("--version", action="version", version=f"podvmctl {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("config", help="check and print the effective configuration",
+                       description="Load the configuration the shim would use (FILE, else "
+                                   f"${config.ENV_PATH}, else {config.DEFAULT_PATH}, else "
+                                   "built-in defaults), validate it and print every key.")
+    c.add_argument("--file", help="configuration file to check instead of the lookup order")
+    c.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    c.set_defaults(func=_config)
+    s = sub.add_parser("status", help="show a running sandbox: plan, VM size, cgroups, threads",
+                       description="Show one sandbox as the host sees it now: its plan and "
+                                   "why, the VM's size, the sandbox cgroup's limits read back "
+                                   "from the kernel, every QEMU (and shim) thread with its "
+                                   "role and cgroups, and any difference between Kubernetes' "
+                                   "view, the VM and the host.")
+    s.add_argument("sandbox", help="the pod sandbox id (as crictl pods shows it)")
+    s.add_argument("--namespace", help="containerd namespace (default: the one that has it)")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(func=_status)
+    pl = sub.add_parser("plan", help="size a manifest's pods as the admission webhook will",
+                        description="Judge every pod of the manifests (Pods, and the pod "
+                                    "templates of Deployments, Jobs...) as podvm-webhook "
+                                    "will, with the configuration the nodes use: the VM, "
+                                    "the RuntimeClass overhead it needs, the annotations "
+                                    "static mode writes, what is refused and why. A "
+                                    "RuntimeClass in the manifests sets the pods' "
+                                    "spec.overhead as the API server does. Exit status 1 "
+                                    "when a pod is refused.")
+    pl.add_argument("manifest", nargs="+", help="YAML or JSON file (.json read as JSON)")
+    pl.add_argument("--config", help="configuration file instead of the lookup order")
+    pl.add_argument("--runtime-class", action="append", dest="runtime_classes",
+                    help="a RuntimeClass podvm serves (repeat; default: podvm)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""containerd.task.v2.Task (and v3): one thin handler per RPC — validate, find the
+process, check its state, act through the Pod, publish the event."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Callable
+
+from google.protobuf.empty_pb2 import Empty
+
+from podvm_core.pb.containerd.events import task_pb2 as events
+from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.pb.containerd.types.task_pb2 import ProcessInfo
+from podvm_core.procstate import CREATED, STOPPED
+from podvm_core.ttrpc import Code, Context, TtrpcError
+
+from ... import __version__
+from ...host import paths
+from ..events import Publisher
+from ...host.mounts import Mount
+from ...pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
+from ...vm.stdio import ProcessIO, Stdio
+from .bundle import load_config, read_bundle
+from .reporting import Reporter
+from .process import Container, Process, status_of
+
+if TYPE_CHECKING:
+    from ...vm.hypervisor import HypervisorError
+    from ...network import remote
+    from ...pod.pod import Pod
+
+log = logging.getLogger("podvm.task")
+
+CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+
+
+class TaskService:
+    def __init__(self, namespace: str, publisher: Publisher,
+                 shutdown: Callable[[], None], slot: PodSlot | None = None,
+                 network_worker: remote.Worker | None = None) -> None:
+        """`network_worker`: one the daemon started for the pod its first Create boots."""
+        self.namespace = namespace
+        self.containers: dict[str, Container] = {}
+        self.slot = slot or PodSlot()
+        self.slot.listen(self)
+        self.report = Reporter(publisher, self.slot, self.containers)
+        self._shutdown = shutdown
+        self._network_worker = network_worker
+
+    def _container(self, container_id: str) -> Container:
+        container = self.containers.get(container_id)
+        if container is None:
+            raise TtrpcError(Code.NOT_FOUND, f"container {container_id!r} not found")
+        return container
+
+    def _process(self, container_id: str, exec_id: str = "") -> Process:
+        return self._container(container_id).process(exec_id)
+
+    def _pod(self) -> Pod:
+        if self.slot.pod is None:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
+        return self.slot.pod
+
+    def _agent(self):
+        return self._pod().agent
+
+    # what the pod tells
+    def vm_exited(self, error: HypervisorError) -> None:
+        self.report.end(self.containers.values(), VM_GONE_STATUS)
+
+    def vm_stopped(self) -> None:
+        self.report.end(self.containers.values(), KILLED_STATUS)
+
+    def container_oom(self, container_id: str) -> None:
+        self.report.oom(container_id)
+
+    async def Connect(self, req: api.ConnectRequest, ctx: Context) -> api.ConnectResponse:
+        container = self.containers.get(req.id)
+        return api.ConnectResponse(shim_pid=os.getpid(),
+                                   task_pid=container.init.pid if container else 0,
+                                   version=__version__)
+
+    async def Create(self, req: api.CreateTaskRequest, ctx: Context) -> api.CreateTaskResponse:
+        if not req.id:
+            raise TtrpcError(Code.INVALID_ARGUMENT, "create: the container id is empty")
+        if req.id in self.containers:
+            raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
+        spec = read_bundle(req.bundle)
+        pod, holder = await self._pod_for(req, spec)
+        await pod.add_container(
+            req.id, req.bundle, spec, [Mount(m.type, m.source, tuple(m.options))
+                                       for m in req.rootfs],
+            Stdio.of(req.stdin, req.stdout, req.stderr, req.terminal), holder=holder,
+            pod_holder=(spec.get("annotations") or {}).get(CONTAINER_TYPE) == "sandbox")
+        init = Process(req.id, pid=pod.pid, stdin=req.stdin, stdout=req.stdout,
+                       stderr=req.stderr, terminal=req.terminal)
+        init.io = ProcessIO(pod.agent, req.id, "", req.stdin, req.stdout, req.stderr,
+                            req.terminal)
+        init.io.start()
+        self.containers[req.id] = Container(req.id, req.bundle, init)
+        self.report.publish("/tasks/create", events.TaskCreate(
+            container_id=req.id, bundle=req.bundle, rootfs=req.rootfs,
+            io=events.TaskIO(stdin=req.stdin, stdout=req.stdout, stderr=req.stderr,
+                             terminal=req.terminal), pid=init.pid))
+        return api.CreateTaskResponse(pid=init.pid)
+
+    async def _pod_for(self, req: api.CreateTaskRequest, spec: dict) -> tuple[Pod, bool]:
+        """The pod the container goes into, and whether it holds it: the sandbox
+        container's Create plans and boots the pod."""
+        annotations = spec.get("annotations") or {}
+        pod = self.slot.pod
+        if pod is not None:
+            if not pod.booted:
+                raise TtrpcError(Code.FAILED_PRECONDITION,
+                                 f"container {req.id}: the pod's sandbox was created through "
+                                 f"the Sandbox API and is not started")
+            return pod, False
+        if annotations.get(CONTAINER_TYPE) == "container":
+            raise TtrpcError(Code.FAILED_PRECONDITION,
+                             f"container {req.id} belongs to sandbox "
+                             f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM this "
+                             f"shim does not run")
+        # The network worker the daemon started for this pod when it came up (the pod's
+        # boot starts one where the daemon has not).
+        worker, self._network_worker = self._network_worker, None
+        try:
+            from ...pod.pod import Pod  # the VM machinery loads with a pod's first Create
+
+            pod = Pod.for_sandbox_container(self.namespace, req.id, load_config(req.options),
+                                            spec, worker)
+        except BaseException:
+            if worker is not None:
+                await worker.close()
+            raise
+        self.slot.take(pod)
+        try:
+            await pod.boot()
+        except BaseException:
+            self.slot.pod = None
+            raise
+        return pod, True
+
+    async def Start(self, req: api.StartRequest, ctx: Context) -> api.StartResponse:
+        container = self._container(req.id)
+        proc = container.process(req.exec_id)
+        async with proc.acting("start"):
+            agent = self._agent()
+            if req.exec_id:
+                await agent.exec_process(req.id, req.exec_id, proc.process_json, Stdio.of(
+                    proc.stdin, proc.stdout, proc.stderr, proc.terminal))
+                proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
+                                    proc.stderr, proc.terminal)
+                proc.io.start()
+            else:
+                await agent.start_container(req.id)
+        self.report.watch(proc, self._agent)
+        if req.exec_id:
+            self.report.publish("/tasks/exec-started", events.TaskExecStarted(
+                container_id=req.id, exec_id=req.exec_id, pid=proc.pid))
+        else:
+            self.report.publish("/tasks/start",
+                                events.TaskStart(container_id=req.id, pid=proc.pid))
+        return api.StartResponse(pid=proc.pid)
+
+    async def State(self, req: api.StateRequest, ctx: Context) -> api.StateResponse:
+        container = self._container(req.id)
+        proc = container.process(req.exec_id)
+        response = api.StateResponse(
+            id=req.id, exec_id=req.exec_id, bundle=container.bundle, pid=proc.pid,
+            status=status_of(proc.state), stdin=proc.stdin, stdout=proc.stdout,
+            stderr=proc.stderr, terminal=proc.terminal, exit_status=proc.exit_status)
+        if proc.exited_at_ns:
+            response.exited_at.FromNanoseconds(proc.exited_at_ns)
+        return response
+
+    async def Wait(self, req: api.WaitRequest, ctx: Context) -> api.WaitResponse:
+        status, at_ns = await self._process(req.id, req.exec_id).wait()
+        response = api.WaitResponse(exit_status=status)
+        response.exited_at.FromNanoseconds(at_ns)
+        return response
+
+    async def Delete(self, req: api.DeleteRequest, ctx: Context) -> api.DeleteResponse:
+        container = self._container(req.id)
+        proc = container.process(req.exec_id)
+        async with proc.acting("delete"):
+            if proc.state is CREATED and not req.exec_id:  # runc's init waits in the guest
+                with contextlib.suppress(TtrpcError):
+                    await self._agent().signal(req.id, "", 9, True)
+                proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
+        await proc.stop_io()
+        if req.exec_id:
+            await proc.forget_in_guest(self._agent)
+            del container.execs[req.exec_id]
+        else:
+            await self._remove_container(container)
+        response = api.DeleteResponse(pid=proc.pid, exit_status=proc.exit_status)
+        response.exited_at.FromNanoseconds(proc.exited_at_ns or time.time_ns())
+        if not req.exec_id:
+            self.report.deleted(proc, response.exited_at)
+        return response
+
+    async def _remove_container(self, container: Container) -> None:
+        for exec_proc in list(container.execs.values()):  # an exec's Delete may end meanwhile
+            await exec_proc.stop_io()
+        del self.containers[container.id]
+        pod = self.slot.pod
+        if pod is not None:
+            await pod.remove_container(container.id, holder=container.id == pod.id)
+
+    async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:
+        """As containerd's runc shim: a signal to a process that has exited answers
+        NOT_FOUND "process already finished" (the guest says so when the exit is still
+        on its way here); `all` to a stopped container still reaches the processes that
+        outlived its init."""
+        proc = self._process(req.id, req.exec_id)
+        async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
+            leftovers = proc.state is STOPPED
+            try:
+                await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
+            except TtrpcError as exc:
+                if not leftovers:
+                    raise
+                raise TtrpcError(Code.NOT_FOUND, f"{proc.name}: process already finished "
+                                                 f"({exc.message})") from None
+        return Empty()
+
+    async def Exec(self, req: api.ExecProcessRequest, ctx: Context) -> Empty:
+        container = self._container(req.id)
+        if not req.exec_id:
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"exec in {req.id}: the exec id is empty")
+        if req.exec_id in container.execs:
+            raise TtrpcError(Code.ALREADY_EXISTS,
+                             f"exec {req.exec_id} of container {req.id} already exists")
+        container.init.check("exec")
+        try:
+            json.loads(req.spec.value)
+        except ValueError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT,
+                             f"exec {req.exec_id}: the process spec is not JSON: {exc}") from None
+        container.execs[req.exec_id] = Process(
+            req.id, exec_id=req.exec_id, pid=container.init.pid, stdin=req.stdin,
+            stdout=req.stdout, stderr=req.stderr, terminal=req.terminal,
+            process_json=req.spec.value)
+        self.report.publish("/tasks/exec-added",
+                            events.TaskExecAdded(container_id=req.id, exec_id=req.exec_id))
+        return Empty()
+
+    async def ResizePty(self, req: api.ResizePtyRequest, ctx: Context) -> Empty:
+        self._process(req.id, req.exec_id).check("resize")
+        await self._agent().resize(req.id, req.exec_id, req.width, req.height)
+        return Empty()
+
+    async def CloseIO(self, req: api.CloseIORequest, ctx: Context) -> Empty:
+        proc = self._process(req.id, req.exec_id)
+        proc.check("close_io")
+        if req.stdin and proc.io is not None:
+            await proc.io.close_stdin()
+        return Empty()
+
+    async def Pause(self, req: api.PauseRequest, ctx: Context) -> Empty:
+        proc = self._process(req.id)
+        async with proc.acting("pause"):
+            await self._agent().pause(req.id)
+        self.report.publish("/tasks/paused", events.TaskPaused(container_id=req.id))
+        return Empty()
+
+    async def Resume(self, req: api.ResumeRequest, ctx: Context) -> Empty:
+        proc = self._process(req.id)
+        async with proc.acting("resume"):
+            await self._agent().resume(req.id)
+        self.report.publish("/tasks/resumed", events.TaskResumed(container_id=req.id))
+        return Empty()
+
+    async def Pids(self, req: api.PidsRequest, ctx: Context) -> api.PidsResponse:
+        self._container(req.id)
+        processes = await self._agent().pids(req.id)
+        return api.PidsResponse(processes=[ProcessInfo(pid=p.pid) for p in processes])
+
+    async def Stats(self, req: api.StatsRequest, ctx: Context) -> api.StatsResponse:
+        """The guest's Metrics, checked by the agent's client (shim/vm/agent.py)."""
+        self._container(req.id)
+        return api.StatsResponse(stats=await self._agent().stats(req.id))
+
+    async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
+        self._process(req.id).check("update")
+        await self._pod().update_container(req.id, req.resources.value)
+        return Empty()
+
+    async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:
+        self._container(req.id)
+        raise TtrpcError(Code.UNIMPLEMENTED, "podvm does not checkpoint VM containers")
+
+    async def Shutdown(self, req: api.ShutdownRequest, ctx: Context) -> Empty:
+        if self.containers and not req.now:
+            log.info("shutdown requested with %d container(s) left: staying up",
+                     len(self.containers))
+            return Empty()
+        if self.slot.sandbox_api_owner and not req.now:
+            log.info("shutdown requested: staying up for sandbox %s until its "
+                     "ShutdownSandbox", self.slot.sandbox_api_owner)
+            return Empty()
+        log.info("shutting down%s", " now" if req.now else "")
+        self._shutdown()
+        return Empty()
+
+    async def close(self) -> None:
+        """The daemon is exiting: stop the VM if it still runs."""
+        if self._network_worker is not None:
+            await self._network_worker.close()
+        for container in list(self.containers.values()):
+            for proc in (container.init, *container.execs.values()):
+                await proc.stop_io()
+        if self.slot.pod is not None:
+            await self.slot.pod.stop()

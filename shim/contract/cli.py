@@ -1,0 +1,105 @@
+"""containerd-shim-podvm-v2: the binary containerd runs for io.containerd.podvm.v2."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+from .. import __version__
+from .flags import USAGE, Flags, UsageError, parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        flags = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        sys.stderr.write(f"containerd-shim-podvm-v2: {exc}\n\n{USAGE}")
+        return 2
+    if flags.help:
+        sys.stdout.write(USAGE)
+        return 0
+    if flags.info:
+        from .info import runtime_info  # here: no other action needs it
+
+        sys.stdout.buffer.write(runtime_info())
+        return 0
+    if flags.version:
+        sys.stdout.write(f"containerd-shim-podvm-v2:\n  Version:  {__version__}\n"
+                         f"  Runtime:  io.containerd.podvm.v2\n")
+        return 0
+    # No cyclic garbage collection while importing and starting: it costs about a tenth
+    # of that time and finds next to nothing. `start` and `delete` are short-lived; the
+    # daemon (which `start` forks) turns it back on once it serves.
+    gc.disable()
+    # Here, not at the top: imported with the collector off (about 1 ms of `start`).
+    from .manager import delete, start
+
+    if flags.action == "start":
+        from ..host.mountns import MountNamespaceError
+
+        try:
+            code = start(flags, run_daemon)
+        except MountNamespaceError as exc:
+            sys.stderr.write(f"containerd-shim-podvm-v2: {exc}\n")
+            code = 1
+        # containerd waits for `start` to exit while the daemon it forked starts on the
+        # same CPUs: leave without tearing the interpreter down (about 5 ms); nothing but
+        # stdio is left to flush.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if flags.action == "delete":
+        return delete(flags)
+    return run_daemon(flags)
+
+
+def run_daemon(flags: Flags, sock=None) -> int:
+    """Serve as the pod's daemon: on the listening socket `sock` (`start` forks the daemon
+    with the one it bound), else on fd 3."""
+    gc.disable()  # until it serves, as above
+    _import_asyncio_without_tls()
+    _defer_protobuf_python_backend()
+    # Here, not at the top: the daemon's imports, which neither `start` nor `delete` needs.
+    from .daemon import serve
+
+    return serve(flags, sock)
+
+
+def _import_asyncio_without_tls() -> None:
+    """asyncio imports ssl (libssl and libcrypto, about 4 MB of RSS per shim) for TLS
+    transports a shim never uses. Import it with ssl hidden, then unhide it for code
+    that really needs it later."""
+    sys.modules["ssl"] = None  # type: ignore[assignment]
+    try:
+        __import__("asyncio")  # for what it loads: the daemon imports it by name later
+    finally:
+        del sys.modules["ssl"]
+
+
+_PROTOBUF_PYTHON_BACKEND = "google.protobuf.internal.python_message"
+
+
+def _defer_protobuf_python_backend() -> None:
+    """protobuf's descriptor pool imports its pure-Python backend (with text_format, the
+    Python decoder and encoder, containers and pickle: 14 modules, about 6 ms of the
+    daemon's start and 1 MB of its RSS) even where the upb C backend serves every
+    message. Make it a lazy module: it loads at its first use, which upb never makes."""
+    import importlib.util  # here, not at the top: `start` needs none of it
+
+    if _PROTOBUF_PYTHON_BACKEND in sys.modules:
+        return
+    spec = importlib.util.find_spec(_PROTOBUF_PYTHON_BACKEND)
+    if spec is None or spec.loader is None:
+        return
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_PROTOBUF_PYTHON_BACKEND] = module
+    spec.loader.exec_module(module)
+    # `from google.protobuf.internal import python_message` then finds it on the package
+    # without the import system reading the module's attributes, which would load it.
+    package, _, name = _PROTOBUF_PYTHON_BACKEND.rpartition(".")
+    setattr(sys.modules[package], name, module)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The shim daemon: serves the Task API for one pod on the socket `start` bound."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import TYPE_CHECKING, Callable
+
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
+
+from podvm_core.pb.containerd.task.v2 import shim_pb2
+from podvm_core.ttrpc import Code, Context, Method, Server, Service, TtrpcError, bind
+from podvm_core.ttrpc.service import Handler
+
+from .. import __version__
+from ..api import errors
+from . import log as shimlog
+from ..host import paths, shimstate
+from ..api.events import Publisher
+from .flags import Flags
+
+if TYPE_CHECKING:
+    from ..network import remote
+    from ..api.task.service import TaskService
+
+log = logging.getLogger("podvm.shim")
+
+SOCKET_FD = 3
+TASK_SERVICES = ("containerd.task.v2.Task", "containerd.task.v3.Task")
+SANDBOX_SERVICE = "containerd.runtime.sandbox.v1.Sandbox"
+HANGUP_GRACE = 1.0
+"""Seconds the exiting daemon leaves containerd to hang up first, so that the answer to
+its Shutdown or ShutdownSandbox is read as an answer (podvm_core/ttrpc/server.py)."""
+
+
+def serve(flags: Flags, sock: socket.socket | None = None) -> int:
+    """Serve on `sock` (`start` forks the daemon with the socket it bound), else on fd 3."""
+    _open_log_fifo(os.path.join(flags.bundle_dir, "log"))
+    shimlog.setup(flags.debug, id=flags.id, namespace=flags.namespace)
+    if sock is None:
+        try:
+            sock = socket.socket(fileno=SOCKET_FD)
+        except OSError:
+            log.error("no listening socket on fd %d: the daemon is started by `start`",
+                      SOCKET_FD)
+            return 1
+    try:
+        asyncio.run(_serve(flags, sock))
+    except Exception:
+        log.exception("shim daemon failed")
+        return 1
+    return 0
+
+
+async def _serve(flags: Flags, sock: socket.socket) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    publisher = Publisher(flags.namespace, os.environ.get("TTRPC_ADDRESS", ""),
+                          flags.publish_binary, flags.address)
+
+    def shutdown() -> None:
+        loop.call_soon(stop.set)
+
+    tasks = TaskAPI(flags.namespace, publisher, shutdown)
+    descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
+    server = Server([tasks.bind(descriptor, name) for name in TASK_SERVICES],
+                    answer=errors.to_ttrpc)
+    server.register_deferred(SANDBOX_SERVICE, lambda: _sandbox_service(tasks.get(), shutdown))
+    await server.start(sock)
+    # Serving: collect garbage again (`cli` stops it while the daemon starts), leaving out
+    # what starting made, which lives as long as the daemon.
+    gc.freeze()
+    gc.enable()
+    log.info("serving %s and %s on %s (pid %d, mount namespace %s)", "/".join(TASK_SERVICES),
+             SANDBOX_SERVICE, flags.socket, os.getpid(), os.readlink("/proc/self/ns/mnt"))
+    await tasks.start_network_worker(flags.bundle_dir)
+    started = time.monotonic()
+    await stop.wait()
+    log.info("shim exiting after %.1fs", time.monotonic() - started)
+    await server.close(grace=HANGUP_GRACE)
+    await tasks.close()
+    await publisher.close()
+    group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
+    owner = (shimstate.read(flags.namespace, group) or {}).get("pid")
+    if owner not in (None, os.getpid()):
+        # A new daemon for the same id (started after this one was given up for dead)
+        # owns the socket and the state directory now.
+        log.info("state of %s now belongs to shim %s: leaving it", group, owner)
+        return
+    # Here, not at the top: psutil and the cgroup managers, for the way out only, would
+    # grow every idle daemon.
+    from ..host.cleanup import remove_shim_state
+
+    remove_shim_state(flags.namespace, group, flags.socket)
+
+
+class TaskAPI:
+    """The Task API's handlers: a TaskService, made at the first call that needs one.
+
+    containerd connects as soon as `start` returns, and a Connect before any Create needs
+    only the API's messages; TaskService brings the pod's whole model (its imports are
+    about a quarter of the daemon's start). The first Create, which boots the VM, pays
+    for them instead."""
+
+    def __init__(self, namespace: str, publisher: Publisher,
+                 shutdown: Callable[[], None]) -> None:
+        self._namespace = namespace
+        self._publisher = publisher
+        self._shutdown = shutdown
+        self._service: TaskService | None = None
+        self._bound: list[tuple[ServiceDescriptor, Service]] = []
+        self._network_worker: remote.Worker | None = None
+
+    def bind(self, descriptor: ServiceDescriptor, name: str) -> Service:
+        """The Task API as `name`: every RPC of `descriptor` (whichever TaskService lacks
+        answers UNIMPLEMENTED, as `bind` would), the real handlers once it is made."""
+        service = Service(name)
+        for rpc in descriptor.methods:
+            handler = self.Connect if rpc.name == "Connect" else self._first_call(rpc.name)
+            service.methods[rpc.name] = Method(GetMessageClass(rpc.input_type), handler)
+        self._bound.append((descriptor, service))
+        return service
+
+    def get(self) -> TaskService:
+        if self._service is None:
+            # Here, not at the top: see the class's docstring.
+            from ..api.task.service import TaskService
+
+            worker, self._network_worker = self._network_worker, None
+            self._service = TaskService(self._namespace, self._publisher,
+                                        shutdown=self._shutdown, network_worker=worker)
+            for descriptor, service in self._bound:  # from now on, straight to it
+                service.methods = bind(descriptor, self._service, name=service.name).methods
+        return self._service
+
+    async def start_network_worker(self, bundle: str) -> None:
+        """The network worker for the pod whose sandbox container `start` came for, when
+        its spec names the pod's network namespace: started now, while containerd has yet
+        to send the Create that boots the pod, it is ready when the boot needs it."""
+        # Here, not at the top: a daemon without a pod network has no use for them.
+        from ..network import remote
+        from ..pod.hostns import spec_namespaces
+
+        try:
+            spec = paths.read_spec(bundle)
+        except (OSError, ValueError):
+            return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
+        if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
+            worker = await remote.Worker.start()
+            if self._service is None:
+                self._network_worker = worker
+            else:  # the Create came first, and started its own
+                await worker.close()
+
+    async def Connect(self, req: shim_pb2.ConnectRequest,
+                      ctx: Context) -> shim_pb2.ConnectResponse:
+        if self._service is None:  # no Create yet, so no task: TaskService's answer
+            return shim_pb2.ConnectResponse(shim_pid=os.getpid(), version=__version__)
+        return await self._service.Connect(req, ctx)
+
+    def _first_call(self, rpc: str) -> Handler:
+        async def call(req: Message, ctx: Context) -> Message:
+            handler = getattr(self.get(), rpc, None)
+            if handler is None:
+                raise TtrpcError(Code.UNIMPLEMENTED, f"method {rpc}")
+            return await handler(req, ctx)
+
+        return call
+
+    async def close(self) -> None:
+        if self._network_worker is not None:
+            await self._network_worker.close()
+        if self._service is not None:
+            await self._service.close()
+
+
+def _sandbox_service(tasks: TaskService, shutdown: Callable[[], None]) -> Service:
+    """The Sandbox API, made at its first call: only containerd 2.x with `sandboxer =
+    "shim"` calls it, and its code and messages would grow every idle daemon."""
+    # Both here, not at the top, for that reason.
+    from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2
+
+    from ..api.sandbox.service import SandboxService
+
+    impl = SandboxService(tasks.slot, tasks.namespace, shutdown)
+    return bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], impl)
+
+
+def _open_log_fifo(path: str) -> None:
+    """containerd reads `<bundle>/log` (a FIFO) into its own log: make it our stderr."""
+    for _ in range(50):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: containerd has not opened its end yet
+                return
+            time.sleep(0.02)
+            continue
+        os.set_blocking(fd, True)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
+        return

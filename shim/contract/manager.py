@@ -1,0 +1,124 @@
+"""The shim process contract: `start` (find or spawn the pod's daemon) and `delete`.
+
+`start` sits on containerd's critical path for every container, so this module only
+imports the standard library's light parts; the daemon loads the rest after it detaches.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from podvm_core.atomic import write_atomic
+
+from ..host import paths, shimstate
+from .flags import Flags
+
+
+def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
+    """`serve(flags, sock)`: what the forked daemon runs (the CLI passes it in, so that
+    this module never imports the daemon's side)."""
+    bundle = flags.bundle_dir
+    group = paths.group_id(paths.read_spec(bundle), flags.id)
+    address = paths.socket_address(flags.address, flags.namespace, group)
+    sock = _bind(paths.socket_path(address))
+    if sock is None:  # the pod's daemon is alive and serves this container too
+        _write_address(bundle, address)
+        sys.stdout.write(address)
+        return 0
+    try:
+        pid = _spawn_daemon(flags, address, sock, serve)
+    except BaseException:
+        sock.close()
+        os.unlink(paths.socket_path(address))
+        raise
+    sock.close()
+    shimstate.write(flags.namespace, group,
+                    {"pid": pid, "address": address, "bundle": bundle, "id": flags.id})
+    _write_address(bundle, address)
+    sys.stdout.write(address)
+    return 0
+
+
+def _bind(path: str) -> socket.socket | None:
+    """A listening socket at `path`, or None when a live daemon already listens there."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            sock.close()
+            raise
+        if _accepts(path):
+            sock.close()
+            return None
+        os.unlink(path)  # stale: its daemon died without cleaning up
+        sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def _accepts(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
+                  serve: Callable[[Flags, socket.socket], int]) -> int:
+    """The daemon: a fork of this process, so that it starts with the interpreter and
+    what `start` imported already loaded (containerd connects as soon as `start` returns:
+    a fresh interpreter would answer tens of ms later). Own session and process group,
+    not holding containerd's pipes (stdio is /dev/null until it opens the log FIFO). In
+    the pod's own mount namespace (shim/host/mountns.py), which `start` makes and the daemon
+    inherits: made here, its failure is `start`'s, which containerd reports."""
+    daemon_flags = flags._replace(bundle=flags.bundle_dir, socket=address, action="serve")
+    # Here, not at the top: only a `start` that forks a daemon needs it (ctypes).
+    from ..host.mountns import unshare_for_pod
+
+    unshare_for_pod()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        code = serve(daemon_flags, sock)
+    finally:
+        os._exit(code)  # never back into `start`: its caller's cleanup is not ours
+
+
+def _write_address(bundle: str, address: str) -> None:
+    write_atomic(os.path.join(bundle, "address"), address.encode())
+
+
+def delete(flags: Flags) -> int:
+    """Clean up after a container whose daemon is gone (or never answered), from the
+    persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says)."""
+    # Here, not at the top: `start` imports this module, and needs neither.
+    from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
+
+    from ..host.cleanup import cleanup_container
+
+    bundle = flags.bundle_dir
+    cleanup_container(flags.namespace, flags.id, bundle)
+    response = DeleteResponse(exit_status=128 + signal.SIGKILL)
+    response.exited_at.FromNanoseconds(time.time_ns())
+    sys.stdout.buffer.write(response.SerializeToString())
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,180 @@
+"""sandbox.json: what a pod's shim made on the host, recorded before it makes it, so that
+`delete` after a crash and `podvmctl status` find it from the file alone. One frozen
+value: a change is a new value (dataclasses.replace), saved whole and atomically; a file
+that is not this shape, or of a version this podvm does not know, is refused by name."""
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from podvm_core.atomic import write_json
+
+from cgroups import CgroupError, SandboxLayout
+
+from ..network.model import PodNetwork
+from ..resources import SandboxPlan
+
+STATE_FILE = "sandbox.json"
+VERSION = 1
+"""Raised whenever a field's meaning changes; a reader refuses versions it does not know."""
+
+
+class PodStateError(ValueError):
+    """The state file is not one this podvm wrote; the message names it."""
+
+
+@dataclass(frozen=True)
+class CgroupState:
+    manager: Mapping[str, Any]
+    """The host's hierarchies as the cgroups package describes them
+    (`cgroups.manager_from_state()` rebuilds the manager without probing)."""
+    layout: SandboxLayout
+    overhead: SandboxLayout | None = None
+    """sandbox_cgroup_only = false: the shim's own cgroup, outside the pod."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "manager", types.MappingProxyType(dict(self.manager)))
+
+
+@dataclass(frozen=True)
+class VMReport:
+    """What the guest and QEMU last said the VM has, for `podvmctl status` (which cannot
+    ask QMP: the shim holds its only connection)."""
+    online_cpus: int
+    memory_total_mib: int
+    at: float
+    """time.time() of the report."""
+    qemu_vcpus: int | None = None
+    qemu_memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class PodState:
+    sandbox_id: str
+    cgroup: CgroupState
+    plan: SandboxPlan
+    """The plan in force."""
+    qmp_socket: str = ""
+    """On the command line of the pod's QEMU: how `delete` finds one whose pid was never
+    recorded."""
+    qemu_pid: int = 0
+    qemu_start_time: int | None = None
+    """processes.start_time() of qemu_pid: tells it from a process that got its pid later."""
+    rootfs: Mapping[str, str] = field(default_factory=dict)
+    """Container id -> its bundle's rootfs, mounted by the shim."""
+    vcpu_pins: tuple[str, ...] = ()
+    """Host CPUs of each vCPU by index (CPU lists; empty: floating)."""
+    vm: VMReport | None = None
+    netns: str = ""
+    """The pod's network namespace (containerd's; "" for none): recorded before anything
+    is done in it, so that `delete` can undo podvm's taps and redirects there."""
+    network: PodNetwork | None = None
+    """What CNI configured in it, as bridged into the VM."""
+    taps: tuple[str, ...] = ()
+    """podvm's taps in the namespace."""
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rootfs", types.MappingProxyType(dict(self.rootfs)))
+
+    def to_json(self) -> dict:
+        data = _to_json(self)
+        assert isinstance(data, dict)
+        return {"version": data.pop("version"), **data}  # first, for a reader of the file
+
+    @classmethod
+    def from_json(cls, data: object, where: str = STATE_FILE) -> PodState:
+        """PodStateError, naming `where`, for anything but this version's shape."""
+        if not isinstance(data, dict) or "version" not in data:
+            raise PodStateError(f"{where}: not a podvm pod state (no version field)")
+        if data["version"] != VERSION:
+            raise PodStateError(f"{where}: pod state version {data['version']!r} is not the "
+                                f"one this podvm knows ({VERSION}): written by another podvm")
+        return dataclass_from_json(cls, data, where)
+
+    def save(self, path: str) -> None:
+        """Replace the file whole: a crash leaves the old state or the new."""
+        write_json(path, self.to_json(), indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> PodState:
+        """FileNotFoundError when there is none; PodStateError when it is not valid."""
+        with open(path, "rb") as f:
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise PodStateError(f"{path}: not JSON ({exc})") from None
+        return cls.from_json(data, path)
+
+
+def state_path(state_dir: str) -> str:
+    return os.path.join(state_dir, STATE_FILE)
+
+
+def _to_json(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def dataclass_from_json(cls: type, data: object, where: str) -> Any:
+    """A dataclass from its JSON object, every field checked against its type hint."""
+    if not isinstance(data, dict):
+        raise PodStateError(f"{where}: expected an object, not {_kind(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise PodStateError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, f in fields.items():
+        if name in data:
+            values[name] = _value(hints[name], data[name], f"{where}: {name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise PodStateError(f"{where}: missing field {name}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError, CgroupError) as exc:
+        raise PodStateError(f"{where}: {exc}") from None
+
+
+def _value(hint: Any, value: object, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _value(hint, value, where)
+    if dataclasses.is_dataclass(hint):
+        return dataclass_from_json(hint, value, where)
+    if origin is tuple and isinstance(value, list):
+        return tuple(_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (collections.abc.Mapping, dict) and isinstance(value, dict):
+        return {_value(args[0], k, where): _value(args[1], v, f"{where}[{k}]")
+                for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise PodStateError(f"{where}: expected {_name(hint)}, not {_kind(value)}")
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)
+
+
+def _kind(value: object) -> str:
+    return f"{type(value).__name__} {json.dumps(value)[:60]}" if value is not None else "null"

@@ -1,0 +1,131 @@
+"""What the shim needs from a VMM: boot a sized VM, say which host thread does what,
+stop it, notice when it dies. Policy (sizes, placement) is decided elsewhere."""
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import QemuConfig
+from ..network.model import PlaceholderNic, TapNic
+
+
+class HypervisorError(Exception):
+    """The VM could not be had or used: the message says what the VMM said and what to
+    change. shim/api/errors.py gives each kind its one ttrpc code."""
+
+
+class BootTimeout(HypervisorError):
+    """The guest did not reach its agent in time (the VM was killed)."""
+
+
+class VMExited(HypervisorError):
+    """The VMM process is gone: it aborted at start, or was killed or crashed later."""
+
+
+class MissingFile(HypervisorError):
+    """The VMM, kernel or initrd the configuration names is not there."""
+
+
+class RestoreFailed(HypervisorError):
+    """QEMU could not load a template's saved state (the VM was stopped)."""
+
+
+class CannotGrow(HypervisorError):
+    """The VM is running but refuses a hot-plug (no free slot, above maxmem)."""
+
+
+class ThreadRole(str, enum.Enum):
+    VCPU = "vcpu"
+    MAIN = "main"
+    IOTHREAD = "iothread"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class VMSpec:
+    """One VM, fully decided: the driver only turns it into a command line."""
+
+    sandbox_id: str
+    workdir: str
+    """Private directory for the VM's sockets, console log and pid file."""
+    shared_dir: str
+    """Host directory exported to the guest (9p tag `podvm`): container rootfs live here."""
+    vcpus: int
+    max_vcpus: int
+    memory_mib: int
+    max_memory_mib: int
+    hypervisor: QemuConfig
+    config_source: str = ""
+    """Which configuration file set these, for error messages."""
+    nics: tuple[TapNic | PlaceholderNic, ...] = ()
+    """The pod's interfaces, bridged to taps whose descriptors QEMU inherits."""
+    template: bool = False
+    """The VM is a template (shim/vm/template.py) or is restored from one: its
+    kernel line says so (the guest leaves its 9p share to the agent's Resume) and its NICs
+    have the template's MACs."""
+
+
+class VM(abc.ABC):
+    """A booted guest whose agent answers on `agent_socket`."""
+
+    spec: VMSpec
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def agent_socket(self) -> str: ...
+
+    @abc.abstractmethod
+    def take_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The connection to the guest agent's port, made before the guest ran (once)."""
+
+    @abc.abstractmethod
+    async def launch(self, preexec: Callable[[], None] | None = None) -> None:
+        """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
+        enters there) and return once the guest agent's port is open; BootTimeout (VM
+        killed) when the guest does not get there in time."""
+
+    @abc.abstractmethod
+    async def threads(self) -> dict[ThreadRole, list[int]]:
+        """Every host thread of the VMM by role, read now (threads come and go)."""
+
+    @abc.abstractmethod
+    async def stop(self, timeout: float = 10) -> None:
+        """Ask the VMM to quit, kill it after `timeout`; a no-op when it is gone."""
+
+    @abc.abstractmethod
+    def console_tail(self, size: int = 2000) -> str:
+        """The end of the guest's console, for error messages and logs."""
+
+    @abc.abstractmethod
+    async def wait(self) -> int:
+        """Block until the VMM process exits; its exit status."""
+
+    @abc.abstractmethod
+    async def exited(self, grace: float = 0) -> VMExited | None:
+        """The VMExited error that tells how the VMM ended (its own last words, the
+        guest console), waiting up to `grace` seconds for an exit under way; None while
+        it runs."""
+
+    @abc.abstractmethod
+    def dead(self) -> bool:
+        """The VMM process has ended (a zombie counts), whether or not its exit has been
+        collected yet: a stop requested now would not be what ended it."""
+
+    @abc.abstractmethod
+    async def size(self) -> tuple[int, int]:
+        """vCPUs present and memory in MiB, as the VMM reports them now."""
+
+    @abc.abstractmethod
+    async def add_vcpus(self, count: int) -> list[int]:
+        """Hot-plug `count` vCPUs; the host thread ids of the new ones."""
+
+    @abc.abstractmethod
+    async def add_memory(self, mib: int) -> int:
+        """Hot-plug `mib` MiB of memory (never taken back); MiB added."""

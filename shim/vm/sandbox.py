@@ -1,0 +1,394 @@
+"""One pod's VM and what the host holds for it: the shared directory with every
+container's rootfs and files, the QEMU process, the agent connection.
+
+Everything made on the host is recorded in `sandbox.json` before it is made, so that
+`delete` can remove it after a crash from that file alone."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Awaitable, TypeVar
+
+from podvm_core.cpulist import format_cpu_list, parse_cpu_list
+
+from . import guestspec
+from ..host import mounts, paths
+from .agent import Agent
+from ..host.cleanup import remove_tree
+from ..config import Config
+from ..cpus import pinning
+from ..host.cgroup import HostCgroup, layout_for
+from .hypervisor import VM, HypervisorError, RestoreFailed, ThreadRole, VMSpec
+from . import template as templates
+from .qemu import QemuVM
+from .qemu_command import template_mac
+from ..host.mounts import Mount
+from ..network import remote
+from ..network.errors import NetworkError
+from ..network.model import PodNetwork, TapNic
+from ..host.podstate import PodState, VMReport, state_path
+from ..host.processes import start_time
+from ..resources import Host, PlanDelta, SandboxPlan
+from ..host.share import Share
+
+if TYPE_CHECKING:
+    from ..network.portforward import PortForwarder
+
+log = logging.getLogger("podvm.sandbox")
+T = TypeVar("T")
+
+
+class Sandbox:
+    def __init__(self, namespace: str, sandbox_id: str, config: Config,
+                 plan: SandboxPlan, cgroups_path: str = "", netns: str = "") -> None:
+        """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
+        the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
+        network namespace, whose interfaces become the VM's ("": the VM has none)."""
+        self.id = sandbox_id
+        self.netns = netns
+        self.config = config
+        self.plan = plan
+        self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
+                                 shim_in_sandbox=config.runtime.sandbox_cgroup_only,
+                                 overhead_cpus=config.runtime.overhead_cpus)
+        self.dir = paths.state_dir(namespace, sandbox_id)
+        self.share = Share(self.dir)
+        """The pod's shared directory: built in `shared/`, exported read-only."""
+        self.vm_dir = os.path.join(self.dir, "vm")
+        self.vm: VM | None = None
+        self.agent: Agent | None = None
+        self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan)
+        """What is persisted in sandbox.json, replaced (and saved) by _record()."""
+        self._watch: asyncio.Task | None = None
+        self._port_forwarder: "PortForwarder | None" = None
+        self.vcpu_pins: list[frozenset[int]] = []
+        """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
+
+    @property
+    def pid(self) -> int:
+        return self.vm.pid if self.vm else 0
+
+    def _record(self, **changes) -> None:
+        """The state with `changes`, saved before the caller acts on it."""
+        self.state = dataclasses.replace(self.state, **changes)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.state.save(state_path(self.dir))
+
+    async def boot(self, network_worker: remote.Worker | None = None) -> None:
+        """`network_worker`: the one that bridges the pod's namespace (the caller's to
+        close); None for a pod without one."""
+        q = self.config.qemu
+        os.makedirs(self.vm_dir, mode=0o700, exist_ok=True)
+        self.share.create()
+        # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
+        static = self.config.runtime.static_sandbox_resource_mgmt
+        spec = VMSpec(
+            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.share.export,
+            vcpus=self.plan.vcpus,
+            max_vcpus=self.plan.vcpus if static else self.plan.max_vcpus,
+            memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
+            hypervisor=q, config_source=self.config.source)
+        vm = QemuVM(spec)
+        self._record(qmp_socket=vm.qmp_socket, netns=self.netns)
+        vm.check_files()  # a missing kernel is refused before any cgroup is made
+        self.cgroup.create(self.plan)
+        self.vm = vm
+        try:
+            if self.netns:
+                assert network_worker is not None
+                nics = await self._attach_network(network_worker)
+                self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
+            try:
+                template = await self._launch(vm)
+            finally:
+                for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
+                    nic.close()
+            self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
+            self.agent = Agent.of_vm(self.vm)
+            if template is not None:  # before anything else is asked of the guest
+                try:
+                    await self.agent.resume_restored(
+                        {template_mac(n.index): n.mac for n in vm.spec.nics},
+                        timeout=q.boot_timeout)
+                except Exception as exc:
+                    if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
+                        template.discard(f"the guest restored from it did not resume: {exc}")
+                    raise
+            # Independent steps, the host's and the guest's, at once (the agent takes
+            # the network before it has answered the ping: one round trip less).
+            network = self.state.network
+            info, *_ = await _together(
+                self.agent.ping(timeout=q.boot_timeout), self._place_threads(),
+                *([self._configure_guest_network(network, q.boot_timeout)]
+                  if network is not None and network.interfaces else []),
+                *([self._forward_ports()] if self.netns else []))
+        except BaseException as exc:
+            # QEMU dying after launch shows up as a broken agent or QMP call: say how
+            # QEMU ended instead, in its own words.
+            gone = await vm.exited(grace=1) if isinstance(exc, Exception) and \
+                not isinstance(exc, HypervisorError) else None
+            log.error("sandbox %s: boot failed (%s); guest console: %s", self.id,
+                      gone or exc, self.console_tail())
+            await self.shutdown()
+            if gone is not None:
+                raise gone from None
+            raise
+        log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
+                 info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
+        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+
+    async def _launch(self, vm: QemuVM) -> templates.Template | None:
+        """Start `vm`: restored from its shape's template when there is one (made first
+        when no other pod is making it), else booted; the template restored, None when
+        booted. self.vm is the VM started (or being started)."""
+        preexec = self.cgroup.preexec()
+        # A static VM is the confidential one: it shares no memory with other pods.
+        if self.config.qemu.enable_template and \
+                not self.config.runtime.static_sandbox_resource_mgmt:
+            template = templates.of(vm.spec)
+            lock = None if template.exists() else template.lock()
+            try:
+                if lock is not None:
+                    try:
+                        await template.make(vm.spec, preexec)
+                    except templates.NotSaved as exc:
+                        log.warning("sandbox %s: %s; booting", self.id, exc)
+                if template.exists():
+                    self.vm = restored = QemuVM(dataclasses.replace(vm.spec, template=True))
+                    try:
+                        await restored.launch(preexec=preexec, restore_from=template.state)
+                        log.info("sandbox %s: VM restored from template %s", self.id,
+                                 template.key)
+                        return template
+                    except RestoreFailed as exc:
+                        template.discard(str(exc))
+            finally:
+                if lock is not None:
+                    lock.release()
+        self.vm = vm
+        await vm.launch(preexec=preexec)
+        return None
+
+    async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
+        """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""
+        assert self.agent is not None
+        started = time.monotonic()
+        await self.agent.configure_network(network, timeout)
+        log.info("sandbox %s: guest network configured in %.2fs", self.id,
+                 time.monotonic() - started)
+
+    async def _place_threads(self) -> None:
+        """QEMU's threads into their cgroups by role, the vCPUs pinned, and watched."""
+        assert self.vm is not None
+        await self.cgroup.place(self.vm)
+        await self.pin()
+        self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
+
+    async def _attach_network(self, worker: remote.Worker) -> tuple[TapNic, ...]:
+        """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
+        caller's to hand to QEMU and close."""
+        network, nics = await worker.attach(self.netns)
+        self._record(network=network, taps=tuple(n.tap for n in nics))
+        for itf in network.interfaces:
+            log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,
+                     itf.name, itf.mac, itf.mtu, ", ".join(map(str, itf.addresses)) or
+                     "no address")
+        return nics
+
+    async def _forward_ports(self) -> None:
+        """CRI PortForward into the VM (shim/network/portforward.py). A pod whose
+        namespace refuses it still runs: only `kubectl port-forward` to it fails, and
+        the log says why."""
+        from ..network.portforward import PortForwarder  # only for a pod with a network
+
+        assert self.agent is not None
+        forwarder = PortForwarder(self.id, self.netns, self.agent)
+        try:
+            await forwarder.start()
+        except NetworkError as exc:
+            log.error("sandbox %s: no port forwarding: %s", self.id, exc)
+            return
+        self._port_forwarder = forwarder
+
+    def record_vm(self, online_cpus: int, memory_total_bytes: int,
+                  qemu_size: tuple[int, int] | None = None) -> None:
+        """What the guest reports it has and what QEMU says it gave (vCPUs present,
+        memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
+        shim holds its only connection)."""
+        before = self.state.vm
+        if qemu_size is None and before is not None:  # QEMU's last word still holds
+            qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
+        else:
+            qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
+        self._record(vm=VMReport(online_cpus=online_cpus,
+                                 memory_total_mib=memory_total_bytes >> 20, at=time.time(),
+                                 qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib))
+
+    async def resize(self, delta: PlanDelta) -> None:
+        """Carry out one step of the plan. A grow raises the cgroup limits first (new
+        vCPUs have room to run), hot-plugs the vCPUs not already present and the memory,
+        places the new threads and has the guest bring exactly the plan's vCPUs online;
+        a shrink takes vCPUs offline in the guest (they stay plugged, their threads
+        asleep: see QemuVM.add_vcpus), then lowers the limits. A failure puts back the
+        limits and online vCPUs in force before; hot-plugged memory cannot be taken back
+        and is recorded as the VM's."""
+        assert self.vm is not None and self.agent is not None
+        old = self.plan
+        for note in delta.notes:
+            log.info("sandbox %s: %s", self.id, note)
+        added_mib = 0
+        try:
+            if delta.grows:
+                self.cgroup.apply(delta.plan)
+            present, _ = await self.vm.size()
+            if delta.plan.vcpus > present:
+                await self.vm.add_vcpus(delta.plan.vcpus - present)
+                await self.cgroup.place_new(self.vm)
+            if delta.add_memory_mib:
+                await self.vm.add_memory(delta.add_memory_mib)
+                added_mib = delta.add_memory_mib
+            if delta.add_vcpus or delta.remove_vcpus or added_mib:
+                await self._online(delta.plan.vcpus, added_mib)
+            if not delta.grows:
+                self.cgroup.apply(delta.plan)
+        except BaseException as exc:
+            log.error("sandbox %s: resize failed (%s); back to the plan in force", self.id, exc)
+            kept = dataclasses.replace(
+                old, memory_mib=old.memory_mib + added_mib,
+                cgroup_memory_limit=old.cgroup_memory_limit + (added_mib << 20)
+                if old.cgroup_memory_limit > 0 else old.cgroup_memory_limit)
+            try:
+                self.cgroup.apply(kept)
+                await self._online(kept.vcpus, 0)
+            except Exception as undo:
+                log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
+            self.record_plan(kept)
+            await self.pin()
+            raise
+        self.record_plan(delta.plan)
+        await self.pin()
+
+    async def pin(self) -> None:
+        """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1
+        when enable_vcpus_pinning and the online vCPUs and the CPUs are as many, else
+        floating over the set. Done after every change: an affinity set here outlives
+        a later, wider cpuset (Linux keeps the user's mask), so it is always rewritten."""
+        assert self.vm is not None
+        cpuset = parse_cpu_list(self.plan.cpuset) if self.plan.cpuset else \
+            self.cgroup.vcpu_cpus()
+        vcpus = (await self.vm.threads()).get(ThreadRole.VCPU, [])
+        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset,
+                               self.config.runtime.enable_vcpus_pinning)
+        pinning.apply(pins)
+        self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
+        self._record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
+        if pins:
+            log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
+                     ", ".join(f"{i}->{format_cpu_list(p)}"
+                               for i, p in enumerate(self.vcpu_pins)))
+
+    async def _online(self, vcpus: int, added_mib: int) -> None:
+        """Exactly `vcpus` online in the guest, and `added_mib` more memory."""
+        assert self.agent is not None
+        before = (self.state.vm.memory_total_mib if self.state.vm else 0) << 20
+        info = await self.agent.online(
+            cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
+        assert self.vm is not None
+        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+        if info.online_cpus != vcpus:
+            raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
+                                  f"{vcpus}")
+        if added_mib and info.memory_total_bytes < before + (added_mib << 20):
+            raise HypervisorError(f"the guest onlined {(info.memory_total_bytes - before) >> 20}"
+                                  f" of {added_mib} MiB hot-plugged")
+
+    def record_plan(self, plan: SandboxPlan) -> None:
+        self.plan = plan
+        self._record(plan=plan)
+
+    def console_tail(self) -> str:
+        return self.vm.console_tail() if self.vm else "(no VM)"
+
+    def share_container(self, container_id: str, bundle: str, rootfs: list[Mount],
+                        binds: tuple[guestspec.HostBind, ...]) -> None:
+        """Mount the container's rootfs on its bundle (as containerd expects) and attach
+        it, with its other host files, in the shared directory (shim/host/share.py). All or
+        nothing."""
+        self._record(rootfs={**self.state.rootfs,
+                             container_id: os.path.join(bundle, "rootfs")})
+        try:
+            if rootfs:
+                if len(rootfs) != 1:
+                    raise ValueError(f"{len(rootfs)} rootfs mounts; podvm takes exactly one")
+                mounts.mount(rootfs[0], os.path.join(bundle, "rootfs"))
+            # the rootfs this shim mounted is in the pod's mount namespace only
+            self.share.add(container_id, os.path.join(bundle, "rootfs"),
+                           rootfs_from_host=not rootfs,
+                           binds=[(b.source, b.name, b.readonly, b.recursive) for b in binds])
+        except BaseException:
+            self.unshare_container(container_id)
+            raise
+
+    def unshare_container(self, container_id: str) -> None:
+        """Undo share_container(); a no-op for what is already gone."""
+        self.share.remove(container_id)
+        bundle_rootfs = self.state.rootfs.get(container_id)
+        if bundle_rootfs:
+            mounts.unmount(bundle_rootfs)
+        self._record(rootfs={c: r for c, r in self.state.rootfs.items() if c != container_id})
+
+    async def shutdown(self) -> None:
+        """Stop the VM and remove everything of the sandbox on the host but the state
+        directory itself (the daemon removes that last). Idempotent."""
+        if self._port_forwarder is not None:  # before the agent, which carries its bytes
+            forwarder, self._port_forwarder = self._port_forwarder, None
+            await forwarder.stop()
+        if self.agent is not None:
+            agent, self.agent = self.agent, None
+            try:
+                await asyncio.wait_for(agent.shutdown(), 3)
+            except Exception as exc:
+                log.debug("agent shutdown: %s", exc)
+            await agent.close()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self.vm is not None:
+            await self.vm.stop(timeout=5)
+        if self.state.netns:
+            try:
+                await remote.detach(self.state.netns, self.state.taps)
+                self._record(taps=())
+            except NetworkError as exc:  # the rest still goes; delete tries again
+                log.error("sandbox %s: %s", self.id, exc)
+        self.cgroup.destroy()
+        for container_id in list(self.state.rootfs):
+            self.unshare_container(container_id)
+        self.share.destroy()
+        remove_tree(self.vm_dir)
+        self._record(qemu_pid=0, qemu_start_time=None)
+
+
+async def _together(*steps: Awaitable[T]) -> list[T]:
+    """The steps' results, run concurrently; the first to fail cancels the others (and
+    is waited for) and its exception is raised."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def host() -> Host:
+    """This machine's CPUs and memory, for the plan's limits."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return Host(cpus=os.cpu_count() or 1, memory_mib=int(line.split()[1]) // 1024)
+    raise OSError("no MemTotal in /proc/meminfo")
