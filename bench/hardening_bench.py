@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
-from shim.config import QemuConfig  # noqa: E402
+from shim.config import HypervisorConfig  # noqa: E402
 from shim.vm.qemu_command import FAST_PARAMS  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
@@ -50,7 +50,7 @@ UNCONFINED = {"seccompsandbox": "", "enable_jail": False}
 def configurations(bzimage: str = "") -> dict[str, dict[str, object]]:
     """Row name -> [hypervisor.qemu] keys."""
     unconfined = {k: v for k, v in UNCONFINED.items()
-                  if k in {f.name for f in dataclasses.fields(QemuConfig)}}
+                  if k in {f.name for f in dataclasses.fields(HypervisorConfig)}}
     rows: dict[str, dict[str, object]] = {}
     if unconfined:
         rows["before: fast line, QEMU unconfined"] = dict(guest_kernel_hardening=False,

@@ -149,7 +149,7 @@ class LogFifo:
 
 
 def containerd_env(grpc: str, namespace: str) -> dict:
-    """The environment containerd gives `start` (protocol.md section 2). Without
+    """The environment containerd gives `start` (docs/design.md, The process contract). Without
     PYTHONDONTWRITEBYTECODE, which containerd does not set: an installed shim has its
     bytecode compiled, and compiling every module on every `start` is not what pods see."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}

@@ -1,6 +1,6 @@
 """Host cgroups for a pod's VM: every host thread of the VM in the pod's sandbox cgroup,
 vCPU threads in vcpus/, all other VMM threads in vmm/, on cgroup v1 and v2
-(resources.md section 1, design.md "Sandbox cgroup layout")."""
+(docs/design.md, "Sandbox cgroup layout")."""
 from __future__ import annotations
 
 from .detect import choose_manager, detect, manager_from_state

@@ -1,4 +1,4 @@
-"""Where a sandbox's cgroups are (design.md, "Sandbox cgroup layout"): one sandbox cgroup
+"""Where a sandbox's cgroups are (docs/design.md, "Sandbox cgroup layout"): one sandbox cgroup
 under the pod cgroup holds every host thread of the VM, `vcpus/` splits the vCPU threads
 from the rest (`vmm/`) so the two can get different CPUs. Pure: no I/O."""
 from __future__ import annotations
@@ -73,9 +73,6 @@ class SandboxLayout:
         if name not in CHILDREN:
             raise ValueError(f"no child cgroup {name!r} in the sandbox layout")
         return f"{self.sandbox}/{name}"
-
-    def for_role(self, role: str | enum.Enum) -> str:
-        return self.child(child_for_role(role))
 
     def ancestors(self) -> list[str]:
         """The pod cgroup and every cgroup above it, nearest first, ending with '/'."""

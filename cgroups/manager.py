@@ -22,7 +22,7 @@ MIXED = "mixed"
 class CgroupManager(abc.ABC):
     version: ClassVar[int]
     SANDBOX_CONTROLLERS: ClassVar[frozenset[str]]
-    """Controllers the sandbox cgroup is created in (design.md)."""
+    """Controllers the sandbox cgroup is created in (docs/design.md, Sandbox cgroup layout)."""
     SPLIT_CONTROLLERS: ClassVar[frozenset[str]]
     """Controllers vcpus/ and vmm/ exist in."""
 

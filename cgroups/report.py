@@ -52,9 +52,3 @@ class SandboxReport:
     limits: LimitsReport
     files: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Directory -> file -> content, for every limit file of the sandbox and its children."""
-
-    def by_location(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-        for thread in self.threads:
-            out.setdefault(thread.location, []).append(thread.tid)
-        return out

@@ -4,7 +4,10 @@ needs and the podvm agent) as a read-only erofs image that every pod maps throug
 virtio-pmem with DAX, so the host's page cache holds it once for all pods and no guest
 copies it into its RAM; and a small uncompressed initramfs (busybox and the modules that
 mount that image). Everything comes from Debian packages and PyPI, by name and version,
-so the same inputs give the same image.
+so the same inputs give the same image. The packages are fetched by debian.py, the kernel
+and its modules taken apart by kernel.py; this module assembles the image, and rebuilds it
+only when its inputs (package versions, every source file under guest/ and the agent's)
+change.
 
 usage: python3 guest/build.py [--out DIR] [--force]
 """
@@ -14,7 +17,6 @@ import argparse
 import hashlib
 import io
 import json
-import lzma
 import pathlib
 import py_compile
 import shutil
@@ -27,12 +29,14 @@ import google.protobuf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cpio import CpioWriter  # noqa: E402
+from debian import download, erofs_utils_version, kernel_package, unpack, versions  # noqa: E402
 from elfneeded import NotElf64, drop_needed, needed  # noqa: E402
+from kernel import (MODULES, ON_DEMAND, ROOT_MODULES, extract_vmlinux,  # noqa: E402
+                    module_names, module_paths, module_tree, on_demand_modules)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "build" / "guest"
 
-KERNEL_META = "linux-image-amd64"
 PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
             "libpython3.11-stdlib", "libc6", "zlib1g", "libexpat1", "libffi8", "libbz2-1.0",
             "liblzma5", "libuuid1", "libcrypt1", "runc", "libseccomp2",
@@ -42,26 +46,6 @@ PACKAGES = ["busybox-static", "python3.11-minimal", "libpython3.11-minimal",
 # the name is dropped (elfneeded.py), so that libstdc++ is neither shipped nor mapped at
 # each agent start.
 UNUSED_NEEDED = {"google/_upb/_message.abi3.so": "libstdc++.so.6"}
-# What the initramfs loads to mount the root image (their dependencies come with them
-# through module_paths; crc32c_generic is libcrc32c's soft dependency, which .modinfo
-# names by alias only).
-ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs"]
-# What the root's /init loads from the image: virtio_net for the pod's interfaces,
-# virtio_balloon to hand the pages the guest frees back to the host.
-MODULES = ["virtio_console", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
-# Loaded on demand, as on a node: what a privileged container (or one with NET_ADMIN or
-# SYS_ADMIN) can use under runc and would miss in the guest: bridges, netfilter (nft and
-# iptables), tun, overlay, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under
-# the kernel's module tree, globs allowed; what they depend on comes with them. They sit
-# in the shared root image, so a pod pays for one only when it loads it.
-ON_DEMAND = ["net/bridge/*.ko", "net/netfilter/*.ko", "net/netfilter/ipset/*.ko",
-             "net/netfilter/ipvs/*.ko", "net/ipv4/netfilter/*.ko",
-             "net/ipv6/netfilter/*.ko", "net/bridge/netfilter/*.ko", "net/8021q/*.ko",
-             "drivers/net/tun.ko", "drivers/net/veth.ko", "drivers/net/dummy.ko",
-             "drivers/net/macvlan.ko", "drivers/net/ipvlan/*.ko", "drivers/net/vxlan/*.ko",
-             "fs/overlayfs/*.ko", "fs/fuse/*.ko",
-             # the text search conntrack helpers ask for by name (amanda, ...)
-             "lib/ts_*.ko"]
 # Not needed by a pod VM's agent, and large.
 PRUNE = ["usr/share/doc", "usr/share/man", "usr/share/lintian", "usr/share/locale",
          "usr/share/zoneinfo", "usr/share/bug", "usr/share/gdb", "usr/share/binfmts",
@@ -121,43 +105,14 @@ IMAGE_ALIGN = 128 << 20
 AGENT_SOURCES = [("guest/agent", "podvm_agent"), ("podvm_core", "podvm_core")]
 
 
-def run(*cmd: str, cwd: str | None = None) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=cwd).stdout
-
-
-def kernel_package() -> str:
-    """The versioned image package the metapackage points to."""
-    for line in run("apt-cache", "depends", KERNEL_META).splitlines():
-        line = line.strip()
-        if line.startswith("Depends: linux-image-"):
-            return line.split(": ", 1)[1]
-    raise SystemExit(f"cannot resolve {KERNEL_META}: run apt-get update")
-
-
-def versions(packages: list[str]) -> dict[str, str]:
-    out = run("apt-cache", "policy", *packages)
-    found, current = {}, None
-    for line in out.splitlines():
-        if not line.startswith(" "):
-            current = line.rstrip(":")
-        elif line.strip().startswith("Candidate:") and current:
-            found[current] = line.split(":", 1)[1].strip()
-    return found
-
-
-def erofs_utils_version() -> str:
-    """mkfs.erofs makes the root image: the installed one is an input too."""
-    try:
-        return run("dpkg-query", "-W", "-f=${Version}", "erofs-utils")
-    except subprocess.CalledProcessError:
-        raise SystemExit("mkfs.erofs is missing: install the erofs-utils package") from None
-
-
 def protobuf_version() -> str:
     return google.protobuf.__version__
 
 
 def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
+    """The image's cache key and what it hashes: the packages' versions, the module lists,
+    and every source the image is made by or of (each .py under guest/, this builder's
+    debian.py and kernel.py too, and the agent's sources)."""
     pinned = versions([kernel_pkg, *PACKAGES])
     sources = hashlib.sha256()
     for path in sorted([INIT, INITRAMFS_INIT, FSTAB, pathlib.Path(__file__),
@@ -173,128 +128,9 @@ def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest(), manifest
 
 
-def download(packages: list[str], into: pathlib.Path) -> list[pathlib.Path]:
-    into.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["apt-get", "download", "-q", *packages], check=True, cwd=into,
-                   capture_output=True)
-    return sorted(into.glob("*.deb"))
-
-
-def extract_vmlinux(vmlinuz: bytes) -> bytes:
-    """The ELF kernel inside a bzImage whose payload is xz."""
-    start = vmlinuz.find(b"\xfd7zXZ\x00")
-    if start < 0:
-        raise SystemExit("vmlinuz has no xz payload")
-    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
-    elf = decompressor.decompress(vmlinuz[start:])
-    if not elf.startswith(b"\x7fELF"):
-        raise SystemExit("the xz payload of vmlinuz is not an ELF kernel")
-    return elf
-
-
-def module_paths(modroot: pathlib.Path, names: list[str],
-                 loaded: list[pathlib.Path] | None = None) -> list[pathlib.Path]:
-    """The modules and what they depend on, dependencies first (read from .modinfo),
-    leaving out those `loaded` already."""
-    index = {p.name.removesuffix(".ko").replace("-", "_"): p for p in modroot.rglob("*.ko")}
-    builtin = {line.rsplit("/", 1)[-1].removesuffix(".ko").replace("-", "_")
-               for line in (modroot / "modules.builtin").read_text().split()}
-    ordered: list[pathlib.Path] = []
-
-    def visit(name: str) -> None:
-        name = name.replace("-", "_")
-        if name in builtin or any(p.name.removesuffix(".ko").replace("-", "_") == name
-                                  for p in [*(loaded or []), *ordered]):
-            return
-        path = index.get(name)
-        if path is None:
-            raise SystemExit(f"kernel module {name} is neither built in nor shipped")
-        for dep in filter(None, ",".join(modinfo(path, "depends")).split(",")):
-            visit(dep)
-        ordered.append(path)
-
-    for name in names:
-        visit(name)
-    return ordered
-
-
-def modinfo(path: pathlib.Path, key: str) -> list[str]:
-    """The values of `key` in a module's .modinfo strings."""
-    data, tag, found = path.read_bytes(), b"\0" + key.encode() + b"=", []
-    at = data.find(tag)
-    while at >= 0:
-        end = data.index(b"\0", at + len(tag))
-        found.append(data[at + len(tag):end].decode())
-        at = data.find(tag, end)
-    return found
-
-
-def module_tree(modroot: pathlib.Path, shipped: list[pathlib.Path]) -> dict[str, bytes]:
-    """The files of /lib/modules/<release> for `shipped` (which holds what each of them
-    depends on): the modules at their paths in the kernel's tree, and the modules.dep,
-    modules.alias and modules.builtin busybox modprobe reads, to load a list of them in
-    one process (/init) or one the kernel asks for (/sbin/modprobe)."""
-    rel_of = {p.name.removesuffix(".ko").replace("-", "_"): str(p.relative_to(modroot))
-              for p in shipped}
-
-    def deps(path: pathlib.Path) -> list[str]:
-        """Every module `path` needs, in kmod's order: each before the ones it needs,
-        so that modprobe, loading from the end, loads a module's needs first."""
-        ordered: list[str] = []
-
-        def visit(module: pathlib.Path) -> None:
-            for dep in filter(None, ",".join(modinfo(module, "depends")).split(",")):
-                dep_rel = rel_of.get(dep.replace("-", "_"))
-                if dep_rel and dep_rel not in ordered:
-                    visit(modroot / dep_rel)
-                    ordered.append(dep_rel)
-
-        visit(path)
-        return ordered[::-1]
-
-    files = {rel: unsigned((modroot / rel).read_bytes()) for rel in rel_of.values()}
-    files["modules.dep"] = "".join(
-        f"{rel_of[name]}: {' '.join(deps(modroot / rel_of[name]))}".rstrip() + "\n"
-        for name in sorted(rel_of)).encode()
-    files["modules.alias"] = "".join(
-        f"alias {alias} {name}\n" for name in sorted(rel_of)
-        for alias in modinfo(modroot / rel_of[name], "alias")).encode()
-    files["modules.builtin"] = (modroot / "modules.builtin").read_bytes()
-    return files
-
-
-SIGNATURE_MAGIC = b"~Module signature appended~\n"
-
-
-def unsigned(module: bytes) -> bytes:
-    """A module without its appended signature: the guest kernel cannot check it (the
-    VM boots without loading the system's certificates, see KERNEL_PARAMS), and would
-    hash the whole module at each load (under TCG) only to find no key."""
-    if not module.endswith(SIGNATURE_MAGIC):
-        return module
-    # struct module_signature (12 bytes) before the magic ends with the signature's size
-    info = len(module) - len(SIGNATURE_MAGIC) - 12
-    sig_len = int.from_bytes(module[info + 8:info + 12], "big")
-    return module[:info - sig_len]
-
-
-def on_demand_modules(modroot: pathlib.Path) -> list[pathlib.Path]:
-    """ON_DEMAND and their dependencies."""
-    kernel = modroot / "kernel"
-    wanted = sorted({p for pattern in ON_DEMAND for p in kernel.glob(pattern)})
-    if not wanted:
-        raise SystemExit(f"none of the on-demand modules is in {kernel}")
-    return module_paths(modroot, [p.name.removesuffix(".ko") for p in wanted])
-
-
-def module_names(paths: list[pathlib.Path]) -> str:
-    """/etc/podvm-modules: the modules /init loads, on one line for `modprobe -a`."""
-    return " ".join(p.name.removesuffix(".ko") for p in paths) + "\n"
-
-
 def stage_root(debs: list[pathlib.Path], staging: pathlib.Path) -> None:
     for deb in debs:
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
+        unpack(deb, staging)
     for pattern in PRUNE:
         for target in staging.glob(pattern):
             if target.is_dir() and not target.is_symlink():
@@ -371,8 +207,9 @@ def compile_python(staging: pathlib.Path) -> None:
 
 def busybox_applets(staging: pathlib.Path) -> list[str]:
     """Its applets' names (the list names busybox itself too)."""
-    return [a for a in run(str(staging / "bin" / "busybox"), "--list").split()
-            if a != "busybox"]
+    listed = subprocess.run([str(staging / "bin" / "busybox"), "--list"], check=True,
+                            capture_output=True, text=True).stdout
+    return [a for a in listed.split() if a != "busybox"]
 
 
 def finish_root(staging: pathlib.Path, modroot: pathlib.Path, release: str,
@@ -447,7 +284,7 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         work = pathlib.Path(tmp)
         kernel_deb = download([kernel_pkg], work / "kernel")[0]
         kroot = work / "kroot"
-        subprocess.run(["dpkg-deb", "-x", str(kernel_deb), str(kroot)], check=True)
+        unpack(kernel_deb, kroot)
         vmlinuz = next((kroot / "boot").glob("vmlinuz-*"))
         release = vmlinuz.name.removeprefix("vmlinuz-")
         modroot = kroot / "lib/modules" / release

@@ -1,6 +1,6 @@
 """An uncompressed newc cpio archive, the format the kernel unpacks as initramfs.
 
-Uncompressed boots faster than gzip under TCG (design.md, "Guest"); entries get fixed
+Uncompressed boots faster than gzip under TCG (docs/design.md, Glossary: guest); entries get fixed
 owners and times so the image depends on its inputs only."""
 from __future__ import annotations
 

@@ -43,3 +43,14 @@ def format_cpu_list(items: Iterable[int]) -> str:
         runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
     return ",".join(runs)
+
+
+def union(cpusets: Iterable[str]) -> frozenset[int]:
+    """The sandbox's cpuset: every CPU one of its containers may use; empty: no
+    restriction. A container without a cpuset adds nothing instead of lifting the
+    restriction: the sandbox container never has one, while under kubelet's static CPU
+    manager every workload container does (exclusive CPUs or the shared pool)."""
+    cpus: set[int] = set()
+    for text in cpusets:
+        cpus |= parse_cpu_list(text or "", "cpuset")
+    return frozenset(cpus)

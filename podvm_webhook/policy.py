@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shim.config import Config
-from shim.pod.planner import PodPlanner, pod_cgroup_memory_mib
+from shim.resources.planner import PodPlanner, pod_cgroup_memory_mib
 from shim.resources import Host, PlanError, SandboxPlan
 from shim.resources.annotations import KATA
 from shim.resources.model import MIB

@@ -39,8 +39,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from . import plan
+    # Here, not at the top: `config` and `status` load neither the planner nor the
+    # webhook's policy (tests/podvm_webhook/test_imports.py).
     from podvm_webhook.policy import Policy
+
+    from . import plan  # likewise
 
     try:
         policy = Policy(config.load(args.config or ""),

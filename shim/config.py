@@ -18,7 +18,11 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class QemuConfig:
+class HypervisorConfig:
+    """The section [hypervisor.qemu]: the VMM, the guest it boots and the VM's defaults
+    (shim/vm/hypervisor.py's VMSpec carries it). QEMU is the one VMM podvm drives; the
+    keys are Kata's where Kata has the setting."""
+
     path: str = "/usr/bin/qemu-system-x86_64"
     kernel: str = "/usr/share/podvm/vmlinux"
     initrd: str = "/usr/share/podvm/initrd.img"
@@ -81,7 +85,7 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class Config:
-    qemu: QemuConfig = field(default_factory=QemuConfig)
+    qemu: HypervisorConfig = field(default_factory=HypervisorConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     source: str = "(built-in defaults)"
 

@@ -113,9 +113,9 @@ def nothing_left_running(tmp_path_factory):
     it. This run's: a daemon whose bundle, or a QEMU whose files or parent shim's bundle,
     are under this run's temporary directory, and any orphaned pod QEMU (not the VMs that
     other work on the machine runs)."""
-    from shim.config import QemuConfig
+    from shim.config import HypervisorConfig
 
-    system_templates = pathlib.Path(QemuConfig().template_path)
+    system_templates = pathlib.Path(HypervisorConfig().template_path)
     templates_before = _entries(system_templates)
     before = _ours()
     yield

@@ -8,7 +8,7 @@ import pathlib
 import shutil
 import tempfile
 
-from shim.config import Config, QemuConfig, RuntimeConfig
+from shim.config import Config, HypervisorConfig, RuntimeConfig
 from tests.conftest import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def vm_config(**qemu: object) -> Config:
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
                   boot_timeout=60, template_path=str(TEMPLATES))
     fields.update(qemu)
-    return Config(qemu=QemuConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
+    return Config(qemu=HypervisorConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
 
 
 def write_test_config(path: pathlib.Path, runtime: dict | None = None,

@@ -50,6 +50,26 @@ async def start(container_id: str, hostname: str = "",
     if len(hostname.encode()) > HOST_NAME_MAX or "\0" in hostname:
         raise TtrpcError(Code.INVALID_ARGUMENT, f"pod {container_id}: hostname {hostname!r} "
                          f"is not a hostname (at most {HOST_NAME_MAX} bytes)")
+    parent, ready = _spawn(hostname)
+    proc = Process(container_id, "")
+    exit_watch = _watch_exit(parent, proc)
+    await _wait_ready(container_id, hostname, parent, ready, proc, exit_watch)
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        proc.pid = int(f.read().split()[0])
+    _own_cgroup(container_id, proc.pid)
+    if sysctls:
+        try:
+            await pod_sysctls.apply(proc.pid, sysctls, f"pod {container_id}")
+        except BaseException:
+            signal(proc, 9)
+            raise
+    log.info("pod namespaces for %s held by %d", container_id, proc.pid)
+    return proc
+
+
+def _spawn(hostname: str) -> tuple[int, int]:
+    """unshare running the holder's shell: its pid, and the read end of the pipe the
+    shell says it is ready on."""
     argv = ["unshare", "--fork", "--pid", "--ipc", "--uts", "--", BUSYBOX, "sh", "-c", SCRIPT,
             "holder", hostname]
     # posix_spawn's dup2 clears close-on-exec even where the pipe's end already is fd 3
@@ -62,8 +82,11 @@ async def start(container_id: str, hostname: str = "",
         raise
     finally:
         os.close(ready_w)
-    proc = Process(container_id, "")
+    return parent, ready
 
+
+def _watch_exit(parent: int, proc: Process) -> asyncio.Future[int]:
+    """unshare's exit, reaped and recorded as `proc`'s."""
     def exited(future: asyncio.Future[int]) -> None:
         # unshare outlives the shell by a moment and passes its status on; a signal the
         # agent sent is reported as runc's shim would (128 + n).
@@ -72,6 +95,13 @@ async def start(container_id: str, hostname: str = "",
 
     exit_watch = REAPER.watch(parent)
     exit_watch.add_done_callback(exited)
+    return exit_watch
+
+
+async def _wait_ready(container_id: str, hostname: str, parent: int, ready: int,
+                      proc: Process, exit_watch: asyncio.Future[int]) -> None:
+    """Until the holder says it is there and named (closing `ready`); a holder that
+    does not in time is killed, one that exits first is said why."""
     try:
         said = await asyncio.wait_for(_read_byte(ready), START_TIMEOUT)
     except asyncio.TimeoutError:
@@ -80,7 +110,7 @@ async def start(container_id: str, hostname: str = "",
         os.close(ready)
     if said is None:
         try:
-            os.kill(parent, 9)  # its exit is reaped by the watch above
+            os.kill(parent, 9)  # its exit is reaped by _watch_exit's watch
         except ProcessLookupError:
             pass
         raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} did not "
@@ -93,17 +123,6 @@ async def start(container_id: str, hostname: str = "",
                              f"{proc.exit_status})")
         raise TtrpcError(Code.INTERNAL, f"the namespace holder of {container_id} exited "
                          f"before it held anything (status {proc.exit_status})")
-    with open(f"/proc/{parent}/task/{parent}/children") as f:
-        proc.pid = int(f.read().split()[0])
-    _own_cgroup(container_id, proc.pid)
-    if sysctls:
-        try:
-            await pod_sysctls.apply(proc.pid, sysctls, f"pod {container_id}")
-        except BaseException:
-            signal(proc, 9)
-            raise
-    log.info("pod namespaces for %s held by %d", container_id, proc.pid)
-    return proc
 
 
 async def _read_byte(fd: int) -> bytes:

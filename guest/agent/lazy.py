@@ -2,6 +2,7 @@
 module imported before the agent serves costs boot time (a few ms each under TCG)."""
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 
@@ -11,8 +12,6 @@ class Deferred(types.ModuleType):
     attribute of it; `import name` of it is free until then."""
 
     def __getattr__(self, attr: str) -> object:
-        import importlib  # only when the deferred module is really used
-
         if sys.modules.get(self.__name__) is self:
             del sys.modules[self.__name__]
         return getattr(importlib.import_module(self.__name__), attr)

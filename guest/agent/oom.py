@@ -27,7 +27,7 @@ class _Inotify:
     """inotify(7) through libc (ctypes loads at the first container, not at boot)."""
 
     def __init__(self) -> None:
-        import ctypes
+        import ctypes  # at the first container, not at boot (the agent's start lacks it)
 
         self._libc = ctypes.CDLL(None, use_errno=True)
         self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -35,7 +35,7 @@ class _Inotify:
             raise OSError(ctypes.get_errno(), "inotify_init1")
 
     def add_watch(self, path: str, mask: int) -> int:
-        import ctypes
+        import ctypes  # loaded by __init__ already: only the name is bound here
 
         wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
         if wd < 0:

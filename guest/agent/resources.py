@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from google.protobuf.any_pb2 import Any
+
 from podvm_core.cpulist import parse_cpu_list
 
 
@@ -75,7 +77,6 @@ def metrics(container_id: str):
     """The container's cgroup v2 statistics as containerd's Metrics, in an Any."""
     # Loaded at the first stats call, not at boot: every import before the agent serves
     # costs boot time under TCG.
-    from google.protobuf.any_pb2 import Any
     from podvm_core.pb.containerd.cgroups.v2 import metrics_pb2 as m
 
     base = os.path.join(CGROUP, container_id)

@@ -5,6 +5,7 @@ random state, the NICs' MACs; and the pod's 9p share, which a template never mou
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import time
@@ -65,8 +66,6 @@ def _reseed(entropy: bytes) -> None:
     """Mixed into the input pool (a write credits nothing, which is right: the CRNG is
     already initialized), then the CRNG takes a new key from the pool, as the kernel does
     itself when a VM generation ID changes."""
-    import fcntl
-
     fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, entropy)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -317,9 +319,8 @@ class AgentService:
         proc = self._container(req.container_id).process(req.exec_id)
         if proc.pty is None:
             raise TtrpcError(Code.FAILED_PRECONDITION, "the process has no terminal")
-        import fcntl  # only for a terminal: the agent boots without these
-        import struct
-        import termios
+        import termios  # only for a terminal: the agent boots without it
+
         fcntl.ioctl(proc.pty.fd, termios.TIOCSWINSZ,
                     struct.pack("HHHH", req.height, req.width, 0, 0))
         return Empty()

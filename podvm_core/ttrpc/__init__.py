@@ -1,4 +1,4 @@
-"""ttrpc for asyncio: containerd's lightweight RPC (protocol.md section 1).
+"""ttrpc for asyncio: containerd's lightweight RPC (docs/design.md, Transport).
 
 The client loads at its first use: the guest agent only serves, and the client's import
 is ~30 ms of its start under TCG (-X importtime in the guest)."""
@@ -20,7 +20,7 @@ __all__ = ["Client", "Code", "ConnectionClosed", "Context", "Method", "Server", 
 
 def __getattr__(name: str) -> object:
     if name == "Client":
-        from .client import Client
+        from .client import Client  # at its first use: see the module's docstring
 
         return Client
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,25 +13,5 @@ class TtrpcError(Exception):
         super().__init__(f"{self.code.name}: {message}" if message else self.code.name)
 
 
-def invalid_argument(message: str) -> TtrpcError:
-    return TtrpcError(Code.INVALID_ARGUMENT, message)
-
-
-def not_found(message: str) -> TtrpcError:
-    return TtrpcError(Code.NOT_FOUND, message)
-
-
-def already_exists(message: str) -> TtrpcError:
-    return TtrpcError(Code.ALREADY_EXISTS, message)
-
-
-def failed_precondition(message: str) -> TtrpcError:
-    return TtrpcError(Code.FAILED_PRECONDITION, message)
-
-
-def unimplemented(message: str) -> TtrpcError:
-    return TtrpcError(Code.UNIMPLEMENTED, message)
-
-
 class ConnectionClosed(Exception):
     """The peer went away (or we closed) while a call was outstanding."""

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from .manager import delete, start
 
     if flags.action == "start":
+        # `start` only: -info, -version and a daemon run by hand do without mountns.
         from ..host.mountns import MountNamespaceError
 
         try:

@@ -10,26 +10,18 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
-
-from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import Message
-from google.protobuf.message_factory import GetMessageClass
+from typing import Callable
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2
-from podvm_core.ttrpc import Code, Context, Method, Server, Service, TtrpcError, bind
-from podvm_core.ttrpc.service import Handler
+from podvm_core.ttrpc import Server, Service, bind
 
-from .. import __version__
 from ..api import errors
 from . import log as shimlog
 from ..host import paths, shimstate
 from ..api.events import Publisher
+from ..api.task.deferred import TaskAPI
+from ..pod.slot import PodSlot
 from .flags import Flags
-
-if TYPE_CHECKING:
-    from ..network import remote
-    from ..api.task.service import TaskService
 
 log = logging.getLogger("podvm.shim")
 
@@ -71,11 +63,14 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     def shutdown() -> None:
         loop.call_soon(stop.set)
 
-    tasks = TaskAPI(flags.namespace, publisher, shutdown)
+    # The one pod, shared by both APIs (shim/pod/slot.py).
+    slot = PodSlot()
+    tasks = TaskAPI(flags.namespace, publisher, shutdown, slot)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
     server = Server([tasks.bind(descriptor, name) for name in TASK_SERVICES],
                     answer=errors.to_ttrpc)
-    server.register_deferred(SANDBOX_SERVICE, lambda: _sandbox_service(tasks.get(), shutdown))
+    server.register_deferred(SANDBOX_SERVICE,
+                             lambda: _sandbox_service(slot, flags.namespace, shutdown))
     await server.start(sock)
     # Serving: collect garbage again (`cli` stops it while the daemon starts), leaving out
     # what starting made, which lives as long as the daemon.
@@ -83,12 +78,13 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     gc.enable()
     log.info("serving %s and %s on %s (pid %d, mount namespace %s)", "/".join(TASK_SERVICES),
              SANDBOX_SERVICE, flags.socket, os.getpid(), os.readlink("/proc/self/ns/mnt"))
-    await tasks.start_network_worker(flags.bundle_dir)
+    await _start_network_worker(slot, flags.bundle_dir)
     started = time.monotonic()
     await stop.wait()
     log.info("shim exiting after %.1fs", time.monotonic() - started)
     await server.close(grace=HANGUP_GRACE)
     await tasks.close()
+    await slot.close()
     await publisher.close()
     group = paths.group_id(paths.read_spec(flags.bundle_dir), flags.id)
     owner = (shimstate.read(flags.namespace, group) or {}).get("pid")
@@ -104,95 +100,34 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     remove_shim_state(flags.namespace, group, flags.socket)
 
 
-class TaskAPI:
-    """The Task API's handlers: a TaskService, made at the first call that needs one.
+async def _start_network_worker(slot: PodSlot, bundle: str) -> None:
+    """The network worker for the pod whose sandbox container `start` came for, when its
+    spec names the pod's network namespace: started now, while containerd has yet to
+    send the Create that boots the pod, it waits in the slot and is ready when the boot
+    needs it."""
+    # Here, not at the top: a daemon without a pod network has no use for them.
+    from ..network import remote
+    from ..pod.hostns import spec_namespaces  # likewise
 
-    containerd connects as soon as `start` returns, and a Connect before any Create needs
-    only the API's messages; TaskService brings the pod's whole model (its imports are
-    about a quarter of the daemon's start). The first Create, which boots the VM, pays
-    for them instead."""
-
-    def __init__(self, namespace: str, publisher: Publisher,
-                 shutdown: Callable[[], None]) -> None:
-        self._namespace = namespace
-        self._publisher = publisher
-        self._shutdown = shutdown
-        self._service: TaskService | None = None
-        self._bound: list[tuple[ServiceDescriptor, Service]] = []
-        self._network_worker: remote.Worker | None = None
-
-    def bind(self, descriptor: ServiceDescriptor, name: str) -> Service:
-        """The Task API as `name`: every RPC of `descriptor` (whichever TaskService lacks
-        answers UNIMPLEMENTED, as `bind` would), the real handlers once it is made."""
-        service = Service(name)
-        for rpc in descriptor.methods:
-            handler = self.Connect if rpc.name == "Connect" else self._first_call(rpc.name)
-            service.methods[rpc.name] = Method(GetMessageClass(rpc.input_type), handler)
-        self._bound.append((descriptor, service))
-        return service
-
-    def get(self) -> TaskService:
-        if self._service is None:
-            # Here, not at the top: see the class's docstring.
-            from ..api.task.service import TaskService
-
-            worker, self._network_worker = self._network_worker, None
-            self._service = TaskService(self._namespace, self._publisher,
-                                        shutdown=self._shutdown, network_worker=worker)
-            for descriptor, service in self._bound:  # from now on, straight to it
-                service.methods = bind(descriptor, self._service, name=service.name).methods
-        return self._service
-
-    async def start_network_worker(self, bundle: str) -> None:
-        """The network worker for the pod whose sandbox container `start` came for, when
-        its spec names the pod's network namespace: started now, while containerd has yet
-        to send the Create that boots the pod, it is ready when the boot needs it."""
-        # Here, not at the top: a daemon without a pod network has no use for them.
-        from ..network import remote
-        from ..pod.hostns import spec_namespaces
-
-        try:
-            spec = paths.read_spec(bundle)
-        except (OSError, ValueError):
-            return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
-        if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
-            worker = await remote.Worker.start()
-            if self._service is None:
-                self._network_worker = worker
-            else:  # the Create came first, and started its own
-                await worker.close()
-
-    async def Connect(self, req: shim_pb2.ConnectRequest,
-                      ctx: Context) -> shim_pb2.ConnectResponse:
-        if self._service is None:  # no Create yet, so no task: TaskService's answer
-            return shim_pb2.ConnectResponse(shim_pid=os.getpid(), version=__version__)
-        return await self._service.Connect(req, ctx)
-
-    def _first_call(self, rpc: str) -> Handler:
-        async def call(req: Message, ctx: Context) -> Message:
-            handler = getattr(self.get(), rpc, None)
-            if handler is None:
-                raise TtrpcError(Code.UNIMPLEMENTED, f"method {rpc}")
-            return await handler(req, ctx)
-
-        return call
-
-    async def close(self) -> None:
-        if self._network_worker is not None:
-            await self._network_worker.close()
-        if self._service is not None:
-            await self._service.close()
+    try:
+        spec = paths.read_spec(bundle)
+    except (OSError, ValueError):
+        return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
+    if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
+        worker = await remote.Worker.start()
+        if not slot.keep_network_worker(worker):  # the Create came first: its own
+            await worker.close()
 
 
-def _sandbox_service(tasks: TaskService, shutdown: Callable[[], None]) -> Service:
+def _sandbox_service(slot: PodSlot, namespace: str, shutdown: Callable[[], None]) -> Service:
     """The Sandbox API, made at its first call: only containerd 2.x with `sandboxer =
     "shim"` calls it, and its code and messages would grow every idle daemon."""
     # Both here, not at the top, for that reason.
     from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2
 
-    from ..api.sandbox.service import SandboxService
+    from ..api.sandbox.service import SandboxService  # likewise
 
-    impl = SandboxService(tasks.slot, tasks.namespace, shutdown)
+    impl = SandboxService(slot, namespace, shutdown)
     return bind(sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"], impl)
 
 

@@ -55,13 +55,6 @@ class Flags(_Fields):
     def bundle_dir(self) -> str:
         return self.bundle or os.getcwd()
 
-    def daemon_argv(self, socket_address: str) -> list[str]:
-        """The flags `start` hands to the daemon it spawns."""
-        argv = ["-namespace", self.namespace, "-id", self.id, "-address", self.address,
-                "-publish-binary", self.publish_binary, "-bundle", self.bundle_dir,
-                "-socket", socket_address]
-        return argv + (["-debug"] if self.debug else [])
-
 
 def parse(argv: list[str]) -> Flags:
     values: dict[str, object] = {}

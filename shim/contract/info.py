@@ -41,7 +41,7 @@ def features() -> dict:
 
 
 def runtime_info() -> bytes:
-    from podvm_core.pb.containerd.types import introspection_pb2 as pb
+    from podvm_core.pb.containerd.types import introspection_pb2 as pb  # `-info` only
 
     info = pb.RuntimeInfo(name="io.containerd.podvm.v2",
                           version=pb.RuntimeVersion(version=__version__))

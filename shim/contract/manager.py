@@ -113,7 +113,7 @@ def delete(flags: Flags) -> int:
     # Here, not at the top: `start` imports this module, and needs neither.
     from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
 
-    from ..host.cleanup import cleanup_container
+    from ..host.cleanup import cleanup_container  # as above: `start` needs none of it
 
     bundle = flags.bundle_dir
     cleanup_container(flags.namespace, flags.id, bundle)

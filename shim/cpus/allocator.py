@@ -1,5 +1,5 @@
-"""Exclusive host CPUs for pods, node-wide (cpu_reservation = "exclusive", resources.md
-section 5): every shim on the node shares one JSON file under /run, changed only under
+"""Exclusive host CPUs for pods, node-wide (cpu_reservation = "exclusive", docs/design.md,
+CPUs): every shim on the node shares one JSON file under /run, changed only under
 an exclusive flock and replaced atomically (write a temporary file, rename it), so a
 reader never sees half a state and a crash mid-write loses nothing.
 

@@ -1,14 +1,15 @@
 """Host CPU sets: the kernel's list syntax, the CPUs a host has, which of them share a
-core, and the pod's cpuset made from its containers' (resources.md section 4).
+core, and the pod's cpuset made from its containers' (docs/design.md, Pod totals and the delta).
 
-The list syntax lives in `podvm_core.cpulist` (host and guest share it); it is re-exported
-here so that CPU code has one place to import from."""
+The list syntax and the union of the containers' cpusets live in `podvm_core.cpulist`
+(host and guest share the one, the resource model below this room uses the other); they
+are re-exported here so that CPU code has one place to import from."""
 from __future__ import annotations
 
 import os
 from typing import Iterable
 
-from podvm_core.cpulist import format_cpu_list, parse_cpu_list
+from podvm_core.cpulist import format_cpu_list, parse_cpu_list, union
 
 __all__ = ["format_cpu_list", "parse_cpu_list", "online_cpus", "union", "core_siblings"]
 
@@ -20,17 +21,6 @@ def online_cpus(sys_cpu: str = SYS_CPU) -> frozenset[int]:
     mask, which the cgroup the shim started in may have narrowed."""
     with open(os.path.join(sys_cpu, "online")) as f:
         return parse_cpu_list(f.read(), "online CPUs")
-
-
-def union(cpusets: Iterable[str]) -> frozenset[int]:
-    """The sandbox's cpuset: every CPU one of its containers may use; empty: no
-    restriction. A container without a cpuset adds nothing instead of lifting the
-    restriction: the sandbox container never has one, while under kubelet's static CPU
-    manager every workload container does (exclusive CPUs or the shared pool)."""
-    cpus: set[int] = set()
-    for text in cpusets:
-        cpus |= parse_cpu_list(text or "", "cpuset")
-    return frozenset(cpus)
 
 
 def core_siblings(cpus: Iterable[int], sys_cpu: str = SYS_CPU) -> dict[int, frozenset[int]]:

@@ -1,5 +1,5 @@
 """Where each vCPU thread may run, and which vCPUs a container may use inside the guest
-(resources.md section 4). Pure but for `apply`.
+(docs/design.md, CPUs: pinning and exclusive CPUs). Pure but for `apply`.
 
 Pinning (`enable_vcpus_pinning`): when the VM has as many online vCPUs as the pod's
 cpuset has CPUs, vCPU i runs on the i-th CPU of the set and nowhere else; otherwise every

@@ -1,23 +1,24 @@
 """The pod VM's host cgroup: where it goes (under the pod cgroup kubelet chose), the
 limits the plan gives it, QEMU started inside it, its threads sorted by role and the
-threads it makes later caught (resources.md section 1, design.md "Sandbox cgroup layout").
+threads it makes later caught (docs/design.md, "Sandbox cgroup layout").
 The `cgroups` package does the kernel work; this module decides what to ask of it."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from typing import Mapping, Protocol
 
 from google.protobuf.any_pb2 import Any
 
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
+from cgroups.layout import VCPU_ROLE
 from cgroups.procs import thread_ids
 
-from ..vm.hypervisor import VM, ThreadRole
-from ..pod.planner import pod_cgroup_memory_mib
 from .podstate import CgroupState
 from ..resources import SandboxPlan
+from ..resources.planner import pod_cgroup_memory_mib
 
 log = logging.getLogger("podvm.cgroup")
 
@@ -26,6 +27,16 @@ DEFAULT_POD_CGROUP = "/podvm"
 OVERHEAD_CGROUP = "/podvm_overhead"
 """Where shims go with sandbox_cgroup_only = false: charged and visible, outside the pod."""
 WATCH_INTERVAL = 1.0
+
+
+class VM(Protocol):
+    """What the sandbox cgroup needs of a VM (shim/vm/hypervisor.py's VM is one): its
+    process, and its threads by role (ThreadRole, a str: "vcpu" is cgroups' VCPU_ROLE)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    async def threads(self) -> Mapping[str, list[int]]: ...
 
 
 def layout_for(cgroups_path: str, sandbox_id: str) -> SandboxLayout:
@@ -131,7 +142,7 @@ class HostCgroup:
             except Exception as exc:  # QEMU going away
                 log.debug("thread scan of sandbox %s: %s", self.layout.sandbox_id, exc)
                 return
-            vcpus = roles.get(ThreadRole.VCPU, [])
+            vcpus = roles.get(VCPU_ROLE, [])
             self._known_tids = frozenset(t for tids in roles.values() for t in tids)
         moved = self.sandbox.place_new_threads(vm.pid, vcpus)
         if moved:

@@ -48,10 +48,11 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     daemon = pid if isinstance(pid, int) and is_our_shim(pid) else None
     if group != container_id:  # a workload container: its own mounts only
         state_dir = paths.state_dir(namespace, group)
-        holder = namespace_holder(([daemon] if daemon else []) + _qemus_of_state_dir(state_dir))
+        pod_process = pod_mount_process(([daemon] if daemon else []) +
+                                        _qemus_of_state_dir(state_dir))
         unmount_in_pod([os.path.join(state_dir, "shared", container_id),
                         os.path.join(state_dir, "export", container_id),
-                        os.path.join(bundle, "rootfs")], holder, group)
+                        os.path.join(bundle, "rootfs")], pod_process, group)
         return
     if daemon is not None:
         log.info("killing shim daemon %d of sandbox %s", daemon, group)
@@ -60,10 +61,11 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     unmount(os.path.join(bundle, "rootfs"))  # made in the host's namespace by an older podvm
 
 
-def namespace_holder(pids: list[int]) -> int | None:
+def pod_mount_process(pids: list[int]) -> int | None:
     """The first of `pids` (the pod's daemon, its QEMU) alive in a mount namespace other
     than this process's: the pod's, where its mounts are (None: no such process is left,
-    and the namespace went with them, or this process is in it)."""
+    and the namespace went with them, or this process is in it). Not the guest's
+    namespace holder: a host process whose mount namespace is the pod's."""
     mine = mountns.namespace_of("self")
     for pid in pids:
         ns = mountns.namespace_of(pid)
@@ -72,20 +74,20 @@ def namespace_holder(pids: list[int]) -> int | None:
     return None
 
 
-def unmount_in_pod(points: list[str], holder: int | None, sandbox: str) -> int:
+def unmount_in_pod(points: list[str], pod_process: int | None, sandbox: str) -> int:
     """Everything mounted at or below `points`: in the pod's mount namespace through the
-    live process `holder`, then in this one (where a podvm before the pod's own namespace
-    made them); how many mounts."""
+    live process `pod_process`, then in this one (where a podvm before the pod's own
+    namespace made them); how many mounts."""
     count = 0
-    if holder is not None:
-        count = mountns.in_namespace(f"/proc/{holder}/ns/mnt", _unmount_each, points)
+    if pod_process is not None:
+        count = mountns.in_namespace(f"/proc/{pod_process}/ns/mnt", _unmount_each, points)
         log.info("sandbox %s: %d mounts under %s unmounted in the pod's mount namespace "
-                 "(pid %d's)", sandbox, count, ", ".join(points), holder)
+                 "(pid %d's)", sandbox, count, ", ".join(points), pod_process)
     here = _unmount_each(points)
-    if here or holder is None:
+    if here or pod_process is None:
         log.info("sandbox %s: %d mounts under %s unmounted in this process's mount namespace"
                  "%s", sandbox, here, ", ".join(points),
-                 "" if holder is not None else
+                 "" if pod_process is not None else
                  " (no other process of the pod holds one: its namespace, if it had its "
                  "own, went with its mounts)")
     return count + here
@@ -126,9 +128,9 @@ def cleanup_from_state(state_dir: str) -> None:
         kill_and_wait(pid)
     # A QEMU that would not die still holds the pod's mount namespace (the daemon, when
     # it runs this, is in that namespace itself).
-    holder = namespace_holder(sorted(qemus))
+    pod_process = pod_mount_process(sorted(qemus))
     unmount_in_pod([state_dir, *(state.rootfs.values() if state is not None else ())],
-                   holder, sandbox)
+                   pod_process, sandbox)
     if unreadable is not None:
         raise unreadable
     if state is None:

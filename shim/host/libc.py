@@ -11,7 +11,7 @@ _handle = None
 def libc():
     global _handle
     if _handle is None:
-        import ctypes
+        import ctypes  # at the first call, not with each module that names libc()
 
         handle = ctypes.CDLL(None, use_errno=True)
         handle.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,

@@ -5,7 +5,9 @@ propagation from the host (a container's mountPropagation HostToContainer or
 Bidirectional: the host's later mounts cannot reach into the guest's kernel)."""
 from __future__ import annotations
 
-from podvm_core.ttrpc import Code, TtrpcError
+from collections.abc import Sequence
+
+from .errors import Refused
 
 HOST_NAMESPACES = {"network": "hostNetwork", "pid": "hostPID", "ipc": "hostIPC"}
 
@@ -17,11 +19,13 @@ def spec_namespaces(spec: dict) -> dict[str, str]:
             (spec.get("linux") or {}).get("namespaces") or []}
 
 
-def host_namespaces_refusal(shared: list[str]) -> TtrpcError:
-    """The answer for a pod that would share the host's `shared` namespaces (OCI names):
-    a VM has its own kernel, so it cannot honour them."""
+def refuse_host_namespaces(shared: Sequence[str]) -> None:
+    """Refuse a pod that would share the host's `shared` namespaces (OCI names; none:
+    nothing to refuse): a VM has its own kernel, so it cannot honour them."""
+    if not shared:
+        return
     fields = ", ".join(f"{HOST_NAMESPACES[ns]}: true" for ns in shared)
-    return TtrpcError(Code.INVALID_ARGUMENT, (
+    raise Refused((
         f"podvm runs the pod in a VM, with its own kernel: a pod that shares the host's "
         f"{' and '.join(shared)} namespace{'s' if len(shared) > 1 else ''} ({fields}; CRI "
         f"namespace option NODE) cannot be; run it with runc"))
@@ -44,7 +48,7 @@ def refuse_host_propagation(container_id: str, spec: dict) -> None:
     if asked:
         where = ", ".join(f"{dest} ({opt}: mountPropagation {_FROM_HOST[opt]})"
                           for dest, opt in asked)
-        raise TtrpcError(Code.INVALID_ARGUMENT, (
+        raise Refused((
             f"container {container_id}: podvm runs the pod in a VM, with its own kernel and "
             f"mount table: mount propagation from the host cannot reach it ({where}); use "
             f"mountPropagation None, or run the pod with runc"))

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from podvm_core.sysctl import dotted, proc_path
-from podvm_core.ttrpc import Code, TtrpcError
 
 from .. import config
+from .errors import Refused
 
 _IPC_PREFIXES = ("kernel.shm", "kernel.msg", "fs.mqueue.")
 _IPC_NAMES = frozenset({"kernel.sem", "kernel.sem_next_id"})
@@ -74,20 +74,19 @@ def check_pod_sysctls(sysctls: Mapping[str, str], cfg: config.Config) -> None:
     """Refuse (INVALID_ARGUMENT, naming the sysctl and why) what the guest must not set
     for the pod; nothing has been made yet when this is asked."""
     if not isinstance(sysctls, Mapping):
-        raise TtrpcError(Code.INVALID_ARGUMENT, f"pod sysctls: {sysctls!r} is not a map of "
-                                                f"names to values")
+        raise Refused(f"pod sysctls: {sysctls!r} is not a map of names to values")
     for raw, value in sorted(sysctls.items()):
         try:
             proc_path(raw)
         except ValueError as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT, f"pod sysctl: {exc}") from None
+            raise Refused(f"pod sysctl: {exc}") from None
         name = dotted(raw)
         if name == "kernel.hostname":
-            raise TtrpcError(Code.INVALID_ARGUMENT, (
+            raise Refused((
                 f"pod sysctl {raw}={value}: conflicts with the pod's hostname "
                 f"(PodSandboxConfig.hostname sets it), as on runc"))
         if namespace_of(name) is None and not allowed(name, cfg.runtime.allowed_vm_wide_sysctls):
-            raise TtrpcError(Code.INVALID_ARGUMENT, (
+            raise Refused((
                 f"pod sysctl {raw}={value}: not namespaced (no ipc, uts or network "
                 f"namespace holds it), so in podvm's VM it would change the whole guest "
                 f"kernel, not the pod's namespaces; a pod may set kernel.shm*, kernel.msg*, "

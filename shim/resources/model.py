@@ -1,4 +1,4 @@
-"""Sizing rules (resources.md section 2), each one explained in the plan it produces.
+"""Sizing rules (docs/design.md, Sizing rules), each one explained in the plan it produces.
 
 - vCPUs = ceil(default_vcpus + quota/period); with no quota (quota <= 0 or period <= 0,
   as with the static CPU manager or CFS quota disabled), ceil(default_vcpus + shares/1024)
@@ -120,31 +120,8 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
     the host, the configured maxima or the pod cgroup. Every number is explained."""
     why: list[str] = []
     pod = req.pod
-    if pod.quota_cpus:
-        workload_cpus = pod.quota_cpus
-        why.append(f"workload CPUs {workload_cpus:g} = quota {pod.cpu_quota} / period "
-                   f"{pod.cpu_period}")
-    elif pod.share_cpus:
-        workload_cpus = pod.share_cpus
-        why.append(f"workload CPUs {workload_cpus:g} = shares {pod.cpu_shares} / 1024 "
-                   f"(no CFS quota: quota {pod.cpu_quota}, period {pod.cpu_period})")
-    else:
-        workload_cpus = 0.0
-        why.append("no CPU limit or request: the default vCPUs alone")
-    workload_mib = math.ceil(pod.memory_limit / MIB) if pod.memory_limit > 0 else 0
-    why.append(f"workload memory {workload_mib} MiB = limit {pod.memory_limit} bytes" if
-               workload_mib else "no memory limit: the default memory alone")
-    if req.sizing == "max":
-        vcpus = max(req.default_vcpus, math.ceil(workload_cpus))
-        memory = max(req.default_memory_mib, workload_mib)
-        why.append(f"sizing max: vCPUs max({req.default_vcpus}, {math.ceil(workload_cpus)}) "
-                   f"= {vcpus}, memory max({req.default_memory_mib}, {workload_mib}) = "
-                   f"{memory} MiB")
-    else:
-        vcpus = math.ceil(req.default_vcpus + workload_cpus)
-        memory = req.default_memory_mib + workload_mib
-        why.append(f"vCPUs ceil({req.default_vcpus} + {workload_cpus:g}) = {vcpus}; memory "
-                   f"{req.default_memory_mib} + {workload_mib} = {memory} MiB")
+    workload_cpus, workload_mib = _workload(pod, why)
+    vcpus, memory = _vm_size(req, workload_cpus, workload_mib, why)
     max_vcpus = req.max_vcpus or host.cpus
     max_memory = req.max_memory_mib or host.memory_mib
     vcpu_bound = 'default_maxvcpus' if req.max_vcpus else 'the host CPUs'
@@ -156,41 +133,8 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
         why.append(f"vCPUs capped at {max_vcpus} ({vcpu_bound}) instead of "
                    f"{uncapped_vcpus}: CPU is compressible, and the sandbox cgroup's quota, "
                    f"left as the pod asked, enforces its CPU limit")
-    if memory > max_memory:
-        raise NoFit(f"the pod needs {memory} MiB of VM memory but at most {max_memory} MiB "
-                    f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
-    if memory + req.memory_overhead_mib > host.memory_mib:
-        raise NoFit(f"the pod needs {memory} MiB + {req.memory_overhead_mib} MiB QEMU "
-                    f"overhead but the host has {host.memory_mib} MiB")
-    if req.pod_cgroup_memory_mib and memory + req.memory_overhead_mib > \
-            req.pod_cgroup_memory_mib:
-        raise NoFit(f"the pod needs {memory} MiB of VM memory + {req.memory_overhead_mib} MiB "
-                    f"QEMU overhead = {memory + req.memory_overhead_mib} MiB, but its pod "
-                    f"cgroup allows {req.pod_cgroup_memory_mib} MiB: declare the overhead in "
-                    f"the RuntimeClass (overhead.podFixed.memory >= "
-                    f"{memory - workload_mib + req.memory_overhead_mib}Mi)")
-    period = pod.cpu_period if pod.cpu_quota > 0 and pod.cpu_period > 0 else DEFAULT_PERIOD_US
-    overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
-    if pod.quota_cpus:
-        # in whole µs: ceil((quota / period + n) * period) in floats is often a µs more
-        # than a pod cgroup holding exactly the workload and the declared overhead allows
-        quota = pod.cpu_quota + overhead_cpu * period // 1000
-        why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = (workload "
-                   f"{pod.quota_cpus:g} + {overhead_cpu}m for the guest) x period")
-    else:
-        quota = -1
-        why.append(f"sandbox cgroup CPU quota unlimited (period {period} µs): the pod has "
-                   f"no CPU limit")
-    if req.pod_cgroup_cpus and quota > 0 and quota / period > req.pod_cgroup_cpus + 1e-9:
-        raise NoFit(f"the pod's sandbox needs a CPU quota of {quota / period:g} CPUs "
-                    f"(workload + {overhead_cpu}m for the guest), but its pod cgroup allows "
-                    f"{req.pod_cgroup_cpus:g}: declare the overhead in the RuntimeClass "
-                    f"(overhead.podFixed.cpu >= {overhead_cpu}m)")
-    shares = max(MIN_SHARES, pod.cpu_shares + overhead_cpu * 1024 // 1000) \
-        if pod.cpu_shares else 1024
-    why.append(f"sandbox cgroup CPU shares {shares} = " + (
-        f"{pod.cpu_shares} + {overhead_cpu * 1024 // 1000} for the overhead" if pod.cpu_shares
-        else "the default weight (the pod has no CPU request)"))
+    _check_memory_fits(req, host, memory, max_memory, workload_mib)
+    quota, period, shares, overhead_cpu = _cpu_limits(req, why)
     overhead_memory = memory - workload_mib + req.memory_overhead_mib
     memory_limit = (memory + req.memory_overhead_mib) * MIB if workload_mib else -1
     if memory_limit > 0:
@@ -214,6 +158,90 @@ def plan_sandbox(req: SandboxRequest, host: Host) -> SandboxPlan:
                        vmm_overhead_mib=req.memory_overhead_mib,
                        pod_cgroup_memory_mib=req.pod_cgroup_memory_mib,
                        uncapped_vcpus=uncapped_vcpus, explanation=tuple(why))
+
+
+def _workload(pod: ContainerResources, why: list[str]) -> tuple[float, int]:
+    """What the pod's containers ask for: CPUs (its quota, else its shares) and MiB."""
+    if pod.quota_cpus:
+        workload_cpus = pod.quota_cpus
+        why.append(f"workload CPUs {workload_cpus:g} = quota {pod.cpu_quota} / period "
+                   f"{pod.cpu_period}")
+    elif pod.share_cpus:
+        workload_cpus = pod.share_cpus
+        why.append(f"workload CPUs {workload_cpus:g} = shares {pod.cpu_shares} / 1024 "
+                   f"(no CFS quota: quota {pod.cpu_quota}, period {pod.cpu_period})")
+    else:
+        workload_cpus = 0.0
+        why.append("no CPU limit or request: the default vCPUs alone")
+    workload_mib = math.ceil(pod.memory_limit / MIB) if pod.memory_limit > 0 else 0
+    why.append(f"workload memory {workload_mib} MiB = limit {pod.memory_limit} bytes" if
+               workload_mib else "no memory limit: the default memory alone")
+    return workload_cpus, workload_mib
+
+
+def _vm_size(req: SandboxRequest, workload_cpus: float, workload_mib: int,
+             why: list[str]) -> tuple[int, int]:
+    """vCPUs and MiB by the sizing rule, before any cap."""
+    if req.sizing == "max":
+        vcpus = max(req.default_vcpus, math.ceil(workload_cpus))
+        memory = max(req.default_memory_mib, workload_mib)
+        why.append(f"sizing max: vCPUs max({req.default_vcpus}, {math.ceil(workload_cpus)}) "
+                   f"= {vcpus}, memory max({req.default_memory_mib}, {workload_mib}) = "
+                   f"{memory} MiB")
+    else:
+        vcpus = math.ceil(req.default_vcpus + workload_cpus)
+        memory = req.default_memory_mib + workload_mib
+        why.append(f"vCPUs ceil({req.default_vcpus} + {workload_cpus:g}) = {vcpus}; memory "
+                   f"{req.default_memory_mib} + {workload_mib} = {memory} MiB")
+    return vcpus, memory
+
+
+def _check_memory_fits(req: SandboxRequest, host: Host, memory: int, max_memory: int,
+                       workload_mib: int) -> None:
+    """NoFit when the VM's memory (and QEMU's) exceeds the maximum, the host or the pod
+    cgroup: memory is not compressible."""
+    if memory > max_memory:
+        raise NoFit(f"the pod needs {memory} MiB of VM memory but at most {max_memory} MiB "
+                    f"are allowed ({'default_maxmemory' if req.max_memory_mib else 'host memory'})")
+    if memory + req.memory_overhead_mib > host.memory_mib:
+        raise NoFit(f"the pod needs {memory} MiB + {req.memory_overhead_mib} MiB QEMU "
+                    f"overhead but the host has {host.memory_mib} MiB")
+    if req.pod_cgroup_memory_mib and memory + req.memory_overhead_mib > \
+            req.pod_cgroup_memory_mib:
+        raise NoFit(f"the pod needs {memory} MiB of VM memory + {req.memory_overhead_mib} MiB "
+                    f"QEMU overhead = {memory + req.memory_overhead_mib} MiB, but its pod "
+                    f"cgroup allows {req.pod_cgroup_memory_mib} MiB: declare the overhead in "
+                    f"the RuntimeClass (overhead.podFixed.memory >= "
+                    f"{memory - workload_mib + req.memory_overhead_mib}Mi)")
+
+
+def _cpu_limits(req: SandboxRequest, why: list[str]) -> tuple[int, int, int, int]:
+    """The sandbox cgroup's CPU quota, period and shares, and the guest's CPU overhead
+    in millicores; NoFit when the quota exceeds the pod cgroup's."""
+    pod = req.pod
+    period = pod.cpu_period if pod.cpu_quota > 0 and pod.cpu_period > 0 else DEFAULT_PERIOD_US
+    overhead_cpu = req.default_vcpus * 1000 if req.sizing != "max" else 0
+    if pod.quota_cpus:
+        # in whole µs: ceil((quota / period + n) * period) in floats is often a µs more
+        # than a pod cgroup holding exactly the workload and the declared overhead allows
+        quota = pod.cpu_quota + overhead_cpu * period // 1000
+        why.append(f"sandbox cgroup CPU quota {quota}/{period} µs = (workload "
+                   f"{pod.quota_cpus:g} + {overhead_cpu}m for the guest) x period")
+    else:
+        quota = -1
+        why.append(f"sandbox cgroup CPU quota unlimited (period {period} µs): the pod has "
+                   f"no CPU limit")
+    if req.pod_cgroup_cpus and quota > 0 and quota / period > req.pod_cgroup_cpus + 1e-9:
+        raise NoFit(f"the pod's sandbox needs a CPU quota of {quota / period:g} CPUs "
+                    f"(workload + {overhead_cpu}m for the guest), but its pod cgroup allows "
+                    f"{req.pod_cgroup_cpus:g}: declare the overhead in the RuntimeClass "
+                    f"(overhead.podFixed.cpu >= {overhead_cpu}m)")
+    shares = max(MIN_SHARES, pod.cpu_shares + overhead_cpu * 1024 // 1000) \
+        if pod.cpu_shares else 1024
+    why.append(f"sandbox cgroup CPU shares {shares} = " + (
+        f"{pod.cpu_shares} + {overhead_cpu * 1024 // 1000} for the overhead" if pod.cpu_shares
+        else "the default weight (the pod has no CPU request)"))
+    return quota, period, shares, overhead_cpu
 
 
 def request_from_config(config: Config, pod: ContainerResources) -> SandboxRequest:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Mapping
 
-from podvm_core.cpulist import format_cpu_list
+from podvm_core.cpulist import format_cpu_list, union
 from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
 
-from ..cpus.cpuset import union
 from .model import MIB, ContainerResources, NoFit, PlanError, SandboxPlan
 
 MEMORY_BLOCK_MIB = 128
@@ -96,52 +95,9 @@ def plan_update(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan, st
     NoFit (dynamic: the blocks exceed the VM's maximum or the pod cgroup) with numbers."""
     notes: list[str] = []
     if static:
-        vcpus, memory = current.vcpus, current.memory_mib
-        over = []
-        if wanted.vcpus > boot.vcpus:
-            over.append(f"{wanted.vcpus} vCPUs (the VM has {boot.vcpus})")
-        if wanted.memory_mib > boot.memory_mib:
-            over.append(f"{wanted.memory_mib} MiB (the VM has {boot.memory_mib} MiB)")
-        if over:
-            fit = _fitting(current, boot, wanted)
-            raise StaticSizeExceeded(
-                f"the pod now needs {' and '.join(over)}, but static_sandbox_resource_mgmt "
-                f"sizes the VM once at boot: no CPU or memory can be added; recreate the pod "
-                f"with larger limits", fit)
-        notes.append(f"static: the VM keeps its boot size, {vcpus} vCPUs and {memory} MiB "
-                     f"(the pod needs {wanted.vcpus} and {wanted.memory_mib} MiB)")
+        vcpus, memory = _static_size(current, boot, wanted, notes)
     else:
-        vcpus = max(boot.vcpus, wanted.vcpus)
-        memory = current.memory_mib
-        if wanted.memory_mib > current.memory_mib:
-            blocks = math.ceil((wanted.memory_mib - current.memory_mib) / memory_block_mib)
-            memory += blocks * memory_block_mib
-            if memory > current.max_memory_mib:
-                raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
-                            f"{memory_block_mib} MiB blocks that is {memory} MiB, more "
-                            f"than the VM may grow to ({current.max_memory_mib} MiB)")
-            pod_cgroup = wanted.pod_cgroup_memory_mib
-            if pod_cgroup and memory + wanted.vmm_overhead_mib > pod_cgroup:
-                raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
-                            f"{memory_block_mib} MiB blocks that is {memory} MiB + "
-                            f"{wanted.vmm_overhead_mib} MiB QEMU overhead = "
-                            f"{memory + wanted.vmm_overhead_mib} MiB, but its pod cgroup "
-                            f"allows {pod_cgroup} MiB: declare {memory_block_mib - 1} MiB "
-                            f"more overhead in the RuntimeClass for hot-plug rounding")
-            notes.append(f"memory {current.memory_mib} -> {memory} MiB ("
-                         f"{memory - current.memory_mib} MiB hot-plugged as {blocks} "
-                         f"{memory_block_mib} MiB blocks for the {wanted.memory_mib} MiB "
-                         f"the pod needs)")
-        elif wanted.memory_mib < current.memory_mib:
-            notes.append(f"memory stays {current.memory_mib} MiB: the pod needs "
-                         f"{wanted.memory_mib} MiB now, but memory is never taken back "
-                         f"from a running guest")
-        if vcpus > current.vcpus:
-            notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {vcpus - current.vcpus} "
-                         f"hot-plugged")
-        elif vcpus < current.vcpus:
-            notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {current.vcpus - vcpus} "
-                         f"hot-added removed (the {boot.vcpus} boot vCPUs stay)")
+        vcpus, memory = _dynamic_size(current, boot, wanted, memory_block_mib, notes)
     limit = wanted.cgroup_memory_limit
     if limit > 0:  # the cgroup must hold the VM's real memory plus QEMU's overhead
         limit += (memory - wanted.memory_mib) * MIB
@@ -153,6 +109,72 @@ def plan_update(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan, st
     return PlanDelta(plan=plan, add_vcpus=max(0, vcpus - current.vcpus),
                      remove_vcpus=max(0, current.vcpus - vcpus),
                      add_memory_mib=max(0, memory - current.memory_mib), notes=tuple(notes))
+
+
+def _static_size(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan,
+                 notes: list[str]) -> tuple[int, int]:
+    """Static mode: the VM's size as it is (vCPUs, MiB); StaticSizeExceeded when `wanted`
+    needs more than the VM booted with."""
+    vcpus, memory = current.vcpus, current.memory_mib
+    over = []
+    if wanted.vcpus > boot.vcpus:
+        over.append(f"{wanted.vcpus} vCPUs (the VM has {boot.vcpus})")
+    if wanted.memory_mib > boot.memory_mib:
+        over.append(f"{wanted.memory_mib} MiB (the VM has {boot.memory_mib} MiB)")
+    if over:
+        fit = _fitting(current, boot, wanted)
+        raise StaticSizeExceeded(
+            f"the pod now needs {' and '.join(over)}, but static_sandbox_resource_mgmt "
+            f"sizes the VM once at boot: no CPU or memory can be added; recreate the pod "
+            f"with larger limits", fit)
+    notes.append(f"static: the VM keeps its boot size, {vcpus} vCPUs and {memory} MiB "
+                 f"(the pod needs {wanted.vcpus} and {wanted.memory_mib} MiB)")
+    return vcpus, memory
+
+
+def _dynamic_size(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan,
+                  memory_block_mib: int, notes: list[str]) -> tuple[int, int]:
+    """Dynamic mode: the VM's new size (vCPUs, MiB), never below the boot vCPUs nor the
+    memory it has; NoFit when the blocks exceed its maximum or the pod cgroup."""
+    vcpus = max(boot.vcpus, wanted.vcpus)
+    memory = current.memory_mib
+    if wanted.memory_mib > current.memory_mib:
+        memory = _grown_memory(current, wanted, memory_block_mib, notes)
+    elif wanted.memory_mib < current.memory_mib:
+        notes.append(f"memory stays {current.memory_mib} MiB: the pod needs "
+                     f"{wanted.memory_mib} MiB now, but memory is never taken back "
+                     f"from a running guest")
+    if vcpus > current.vcpus:
+        notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {vcpus - current.vcpus} "
+                     f"hot-plugged")
+    elif vcpus < current.vcpus:
+        notes.append(f"vCPUs {current.vcpus} -> {vcpus}: {current.vcpus - vcpus} "
+                     f"hot-added removed (the {boot.vcpus} boot vCPUs stay)")
+    return vcpus, memory
+
+
+def _grown_memory(current: SandboxPlan, wanted: SandboxPlan, memory_block_mib: int,
+                  notes: list[str]) -> int:
+    """The VM's memory grown to hold `wanted`'s in whole blocks (MiB)."""
+    blocks = math.ceil((wanted.memory_mib - current.memory_mib) / memory_block_mib)
+    memory = current.memory_mib + blocks * memory_block_mib
+    if memory > current.max_memory_mib:
+        raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
+                    f"{memory_block_mib} MiB blocks that is {memory} MiB, more "
+                    f"than the VM may grow to ({current.max_memory_mib} MiB)")
+    pod_cgroup = wanted.pod_cgroup_memory_mib
+    if pod_cgroup and memory + wanted.vmm_overhead_mib > pod_cgroup:
+        raise NoFit(f"the pod now needs {wanted.memory_mib} MiB of VM memory; in "
+                    f"{memory_block_mib} MiB blocks that is {memory} MiB + "
+                    f"{wanted.vmm_overhead_mib} MiB QEMU overhead = "
+                    f"{memory + wanted.vmm_overhead_mib} MiB, but its pod cgroup "
+                    f"allows {pod_cgroup} MiB: declare {memory_block_mib - 1} MiB "
+                    f"more overhead in the RuntimeClass for hot-plug rounding")
+    notes.append(f"memory {current.memory_mib} -> {memory} MiB ("
+                 f"{memory - current.memory_mib} MiB hot-plugged as {blocks} "
+                 f"{memory_block_mib} MiB blocks for the {wanted.memory_mib} MiB "
+                 f"the pod needs)")
+    return memory
 
 
 def _fitting(current: SandboxPlan, boot: SandboxPlan, wanted: SandboxPlan) -> PlanDelta:

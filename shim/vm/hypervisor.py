@@ -1,5 +1,7 @@
-"""What the shim needs from a VMM: boot a sized VM, say which host thread does what,
-stop it, notice when it dies. Policy (sizes, placement) is decided elsewhere."""
+"""What the shim needs from a VMM: boot a sized VM (or restore a template's saved one),
+say which host thread does what, grow it, save it, stop it, notice when it dies. The way
+in for every caller: `create()` makes the VM a spec describes (QEMU's, shim/vm/qemu.py,
+the one implementation today). Policy (sizes, placement) is decided elsewhere."""
 from __future__ import annotations
 
 import abc
@@ -8,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import QemuConfig
+from ..config import HypervisorConfig
 from ..network.model import PlaceholderNic, TapNic
 
 
@@ -57,7 +59,7 @@ class VMSpec:
     max_vcpus: int
     memory_mib: int
     max_memory_mib: int
-    hypervisor: QemuConfig
+    hypervisor: HypervisorConfig
     config_source: str = ""
     """Which configuration file set these, for error messages."""
     nics: tuple[TapNic | PlaceholderNic, ...] = ()
@@ -65,7 +67,13 @@ class VMSpec:
     template: bool = False
     """The VM is a template (shim/vm/template.py) or is restored from one: its
     kernel line says so (the guest leaves its 9p share to the agent's Resume) and its NICs
-    have the template's MACs."""
+    have the template's MACs (template_mac)."""
+
+
+def template_mac(index: int) -> str:
+    """NIC `index`'s MAC in a template's VM and in those restored from it (locally
+    administered, "pod" in its middle); the agent's Resume gives each NIC the pod's."""
+    return f"02:70:6f:64:00:{index:02x}"
 
 
 class VM(abc.ABC):
@@ -81,15 +89,37 @@ class VM(abc.ABC):
     @abc.abstractmethod
     def agent_socket(self) -> str: ...
 
+    @property
+    @abc.abstractmethod
+    def control_socket(self) -> str:
+        """The VMM's control socket: on its command line, so that `delete` after a crash
+        finds the VMM by it (recorded before launch; shim/host/cleanup.py)."""
+
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """The VMM's command line (a template's key hashes it: shim/vm/template.py)."""
+
+    @abc.abstractmethod
+    def check_files(self) -> None:
+        """MissingFile, saying what to install or configure, when a file the VM needs
+        (VMM, kernel, initrd, image) is not there: checked before anything is made."""
+
     @abc.abstractmethod
     def take_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The connection to the guest agent's port, made before the guest ran (once)."""
 
     @abc.abstractmethod
-    async def launch(self, preexec: Callable[[], None] | None = None) -> None:
+    async def launch(self, preexec: Callable[[], None] | None = None,
+                     restore_from: str = "") -> None:
         """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
         enters there) and return once the guest agent's port is open; BootTimeout (VM
-        killed) when the guest does not get there in time."""
+        killed) when the guest does not get there in time. `restore_from`: a template's
+        saved state (save()) loaded instead of booting the guest, into a VM whose spec
+        has `template` set; RestoreFailed (VM stopped) when the VMM refuses it."""
+
+    @abc.abstractmethod
+    async def save(self, path: str) -> None:
+        """Stop the guest and write its state to `path`, for launch(restore_from=)."""
 
     @abc.abstractmethod
     async def threads(self) -> dict[ThreadRole, list[int]]:
@@ -129,3 +159,12 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def add_memory(self, mib: int) -> int:
         """Hot-plug `mib` MiB of memory (never taken back); MiB added."""
+
+
+def create(spec: VMSpec) -> VM:
+    """The VM `spec` describes, not started yet."""
+    # Here, not at the top: qemu.py builds on this module, and its QMP client loads with
+    # the first VM, not with every module that names the interface.
+    from .qemu import QemuVM
+
+    return QemuVM(spec)

@@ -1,6 +1,8 @@
 """QEMU driver: a pod's VM started (booted, or restored from a template's state) with
-the command line of shim/vm/qemu_command.py, confined (jail.py), controlled over
-QMP (thread ids, hot-plug, save), and how it ended said in QEMU's and the guest's words."""
+the command line of shim/vm/qemu_command.py, confined (jail.py), attached over QMP, and
+stopped. What it does over QMP once running is in qemu_query.py (size, threads),
+qemu_hotplug.py and qemu_state.py (save and load); what the user is told when it fails,
+in qemu_diagnosis.py."""
 from __future__ import annotations
 
 import asyncio
@@ -13,14 +15,11 @@ from typing import Callable
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
-from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..host.libc import last_errno, libc
-from ..resources.update import MEMORY_BLOCK_MIB
-from . import jail, qemu_command, stateload
-from .hypervisor import (BootTimeout, CannotGrow, HypervisorError, MissingFile, RestoreFailed,
-                         ThreadRole, VM, VMExited, VMSpec)
+from . import jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state
 from .console import ConsoleLog
-from .qemu_command import QBOOT, template_mac
+from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, ThreadRole, VM, VMExited,
+                         VMSpec)
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -28,9 +27,6 @@ VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
 log = logging.getLogger("podvm.qemu")
 
 LOADING = "QEMU was loading the template's state"
-# Both ends of a save: the root image's memory (mapped shared, from a file every VM maps)
-# is not part of the state.
-SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 
 PR_SET_THP_DISABLE = 41
 
@@ -49,7 +45,6 @@ class QemuVM(VM):
         self.spec = spec
         self._proc: asyncio.subprocess.Process | None = None
         self._qmp: QMPClient | None = None
-        self._exit_status: int | None = None
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._booted = False
         self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
@@ -78,6 +73,10 @@ class QemuVM(VM):
         return qemu_command.qmp_socket(self.spec.workdir)
 
     @property
+    def control_socket(self) -> str:
+        return self.qmp_socket
+
+    @property
     def console_log(self) -> str:
         return qemu_command.console_log(self.spec.workdir)
 
@@ -91,24 +90,7 @@ class QemuVM(VM):
         return qemu_command.command(self.spec)
 
     def check_files(self) -> None:
-        q = self.spec.hypervisor
-        where = self.spec.config_source
-        if not os.path.isabs(where):
-            where = DEFAULT_CONFIG
-        for key, path, fix in (("path", q.path, "install the qemu-system-x86 package"),
-                               ("kernel", q.kernel, "run `make install` (it builds them)"),
-                               ("initrd", q.initrd, "run `make install` (it builds them)"),
-                               ("image", q.image, "run `make install` (it builds them)")):
-            if not os.path.isfile(path):
-                raise MissingFile(f"{key} {path} does not exist: {fix}, or set "
-                                  f"[hypervisor.qemu] {key} in {where}")
-        if os.path.getsize(q.image) % (MEMORY_BLOCK_MIB << 20):
-            raise MissingFile(f"image {q.image} is {os.path.getsize(q.image)} bytes, not a "
-                              f"multiple of {MEMORY_BLOCK_MIB} MiB (a guest memory block): "
-                              f"build it with guest/build.py")
-        if not os.path.isfile(QBOOT):
-            raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
-                              f"qemu-system-x86 package")
+        qemu_diagnosis.check_files(self.spec)
 
     async def launch(self, preexec=None, restore_from: str = "") -> None:
         """`restore_from`: a template's saved state (shim/vm/template.py) that
@@ -142,7 +124,7 @@ class QemuVM(VM):
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         except subprocess.SubprocessError:  # what the child said is in qemu.log
             raise HypervisorError(f"cannot start QEMU of sandbox {self.spec.sandbox_id}: "
-                                  f"{self._qemu_log_tail()}") from None
+                                  f"{qemu_diagnosis.qemu_log_tail(self.spec)}") from None
         finally:
             stderr.close()
         try:
@@ -163,9 +145,10 @@ class QemuVM(VM):
             async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
                 await self._first_of(self._attach_and_boot(), self._exited_early())
         except TimeoutError:
-            where = await self._vcpu_positions() if self._qmp is not None else ""
+            where = await qemu_diagnosis.vcpu_positions(self._qmp) if self._qmp else ""
             await self.stop(timeout=0)
-            raise BootTimeout(self._boot_timeout_message() + where) from None
+            raise BootTimeout(qemu_diagnosis.boot_timeout(self.spec, self._boot_stage) +
+                              where) from None
         except VANISHED as exc:
             # QEMU died under the QMP handshake (an abort at start reads as EOF there):
             # its exit, not the broken socket, is what the user needs to hear about.
@@ -175,7 +158,8 @@ class QemuVM(VM):
                 raise gone from None
             raise HypervisorError(f"cannot attach to QEMU of sandbox {self.spec.sandbox_id}: "
                                   f"{type(exc).__name__}: {exc}; QEMU said: "
-                                  f"{self._qemu_log_tail()}; {self._accel_hint()}") from None
+                                  f"{qemu_diagnosis.qemu_log_tail(self.spec)}; "
+                                  f"{qemu_diagnosis.accel_hint(self.spec)}") from None
         except BaseException:
             await self.stop(timeout=0)
             raise
@@ -214,22 +198,7 @@ class QemuVM(VM):
             return None
         if self._console is not None:  # its last lines, which the message quotes
             await self._console.finished(grace=1)
-        how = (f"was killed by signal {signal.Signals(-status).name}" if status < 0
-               else f"exited with status {status}")
-        when = "while the pod was running" if self._booted else "before the guest came up"
-        return VMExited(f"QEMU (pid {proc.pid}) of sandbox {self.spec.sandbox_id} {how} "
-                        f"{when}; QEMU said: {self._qemu_log_tail()}; guest console ends "
-                        f"with: {_tail(self.console_log) or '(nothing)'}; "
-                        f"{self._accel_hint()}")
-
-    def _accel_hint(self) -> str:
-        q = self.spec.hypervisor
-        where = self.spec.config_source or DEFAULT_CONFIG
-        hint = f"[hypervisor.qemu] accel = \"{q.accel}\" in {where}"
-        if q.accel == "kvm":
-            hint += ("; if KVM cannot run guests on this host (nested virtualization), "
-                     "set accel = \"tcg\" there")
-        return hint
+        return qemu_diagnosis.exited(self.spec, proc.pid, status, self._booted)
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
@@ -276,100 +245,25 @@ class QemuVM(VM):
                     return
 
     async def _load(self, path: str) -> None:
-        """The saved state in `path`, through a pipe from a dd the shim runs
-        (shim/vm/stateload.py)."""
         assert self._qmp is not None
-        await self._qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
-
-        async def send(fd: int) -> None:
-            assert self._qmp is not None
-            self._qmp.send_fd_scm(fd)
-            await self._qmp.execute("getfd", {"fdname": stateload.FD_NAME})
-            await self._qmp.execute("migrate-incoming", {"uri": f"fd:{stateload.FD_NAME}"})
-
-        await stateload.load(path, send, lambda: self._migration_done("loading"),
-                             self._preexec)
+        await qemu_state.load(self._qmp, self._execute, path, self._preexec)
 
     async def save(self, path: str) -> None:
-        """Stop the guest and write its state to `path` (created; QEMU's migration stream,
-        without the root image: it is mapped shared, and every VM maps the same file). The
-        file's pages are dropped from the host's page cache once it is on disk."""
-        await self._execute("stop")
-        await self._execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            assert self._qmp is not None
-            self._qmp.send_fd_scm(fd)
-            await self._execute("getfd", {"fdname": "template"})
-            try:
-                await self._execute("migrate", {"uri": "fd:template"})
-            except ExecuteError as exc:
-                raise HypervisorError(f"QEMU refused to save the VM: {exc}") from None
-            await self._migration_done("saving")
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        """The VM stopped and its state written to `path` (shim/vm/qemu_state.py)."""
+        await qemu_state.save(self._send_fd, self._execute, path)
 
-    async def _migration_done(self, doing: str) -> None:
-        while True:
-            state = await self._execute("query-migrate")
-            status = state.get("status")  # type: ignore[union-attr]
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                raise (RestoreFailed if doing == "loading" else HypervisorError)(
-                    f"QEMU failed {doing} the VM's state: "
-                    f"{state.get('error-desc', status)}")  # type: ignore[union-attr]
-            await asyncio.sleep(0.005)
-
-    def _boot_timeout_message(self) -> str:
-        q = self.spec.hypervisor
-        return (f"the guest of sandbox {self.spec.sandbox_id} did not come up within "
-                f"{q.boot_timeout}s (accel={q.accel}): {self._boot_stage}; QEMU said: "
-                f"{self._qemu_log_tail()}; "
-                f"guest console ends with: {_tail(self.console_log) or '(nothing)'}; "
-                f"{self._accel_hint()}")
-
-    async def _vcpu_positions(self) -> str:
-        """Where the instruction pointer of each vCPU in 64-bit mode is ("; vCPU
-        instruction pointers: 0x..."), for a guest that hangs in its kernel without a word
-        on the console (`quiet`): the PVH-booted vmlinux is never relocated (KASLR is the
-        bzImage decompressor's, which PVH skips; tests/vm/test_guest_hardening.py
-        checks it), so its System.map names the function. A relocated kernel would need
-        its offset from the guest's /proc/kallsyms. "" when QEMU cannot say."""
-        try:
-            text = await asyncio.wait_for(self._qmp.execute(  # type: ignore[union-attr]
-                "human-monitor-command", {"command-line": "info registers -a"}), 2)
-        except Exception as exc:  # a QEMU that does not answer is already in the message
-            log.debug("info registers: %s", exc)
-            return ""
-        rips = [word.split("=", 1)[1].lstrip("0") or "0" for word in str(text).split()
-                if word.startswith("RIP=")]
-        return f"; vCPU instruction pointers: {', '.join('0x' + r for r in rips)}" if rips else ""
+    def _send_fd(self, fd: int) -> None:
+        assert self._qmp is not None
+        self._qmp.send_fd_scm(fd)
 
     def console_tail(self, size: int = 2000) -> str:
-        return _tail(self.console_log, size) or "(nothing)"
-
-    def _qemu_log_tail(self) -> str:
-        return _tail(os.path.join(self.spec.workdir, "qemu.log")) or "(no output)"
+        return qemu_diagnosis.tail(self.console_log, size) or "(nothing)"
 
     async def threads(self) -> dict[ThreadRole, list[int]]:
-        cpus = await self._execute("query-cpus-fast")
-        iothreads = await self._execute("query-iothreads")
-        roles: dict[ThreadRole, list[int]] = {  # vCPUs in vCPU index order
-            ThreadRole.VCPU: [c["thread-id"] for c in sorted(  # type: ignore[index]
-                cpus, key=lambda c: c["cpu-index"])],  # type: ignore[index]
-            ThreadRole.IOTHREAD: [t["thread-id"] for t in iothreads],  # type: ignore[index]
-            ThreadRole.MAIN: [self.pid],
-        }
-        known = {tid for tids in roles.values() for tid in tids}
         try:
-            tasks = [t.id for t in psutil.Process(self.pid).threads()]
+            return await qemu_query.threads(self._execute, self.pid)
         except psutil.NoSuchProcess:
             raise (await self.exited(grace=2)) or HypervisorError("QEMU is gone") from None
-        roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
-        return roles
 
     async def _execute(self, command: str, arguments: dict | None = None) -> object:
         """One QMP command. QEMU refusing it raises ExecuteError (the caller says what
@@ -387,65 +281,14 @@ class QemuVM(VM):
                 f"{type(exc).__name__}: {exc}") from None
 
     async def size(self) -> tuple[int, int]:
-        """vCPUs present and memory (MiB, boot + DIMMs) as QEMU reports them now; the
-        root image's virtio-pmem is plugged memory to QEMU, not RAM."""
-        cpus = await self._execute("query-cpus-fast")
-        memory = await self._execute("query-memory-size-summary")
-        devices = await self._execute("query-memory-devices")
-        dimms = sum(d["data"]["size"] for d in devices  # type: ignore[union-attr,index]
-                    if d["type"] == "dimm")  # type: ignore[index]
-        return len(cpus), (memory["base-memory"] + dimms) >> 20  # type: ignore[index]
+        return await qemu_query.size(self._execute)
 
     async def add_vcpus(self, count: int) -> list[int]:
-        """Hot-plug `count` vCPUs into free slots (ACPI CPU hot-plug; the guest onlines
-        them); their host thread ids. There is no unplug: after a device_del of a vCPU,
-        QEMU 7.2 under TCG crashes (double free) on its next device_add, so a VM shrinks
-        by taking vCPUs offline in the guest instead (their threads then sleep). Under
-        TCG there is no free slot: every vCPU is plugged at boot (see command())."""
-        slots = await self._execute("query-hotpluggable-cpus")
-        free = sorted((s for s in slots if "qom-path" not in s),  # type: ignore[union-attr]
-                      key=lambda s: tuple(sorted(s["props"].items())))
-        if count > len(free):
-            raise CannotGrow(f"cannot add {count} vCPUs: only {len(free)} of "
-                             f"{len(slots)} slots are free (maxcpus)")  # type: ignore[arg-type]
-        present = await self._execute("query-cpus-fast")
-        before = {c["thread-id"] for c in present}  # type: ignore[union-attr]
-        try:
-            for slot in free[:count]:
-                props = dict(slot["props"])
-                device_id = "vcpu-" + "-".join(str(props[k]) for k in sorted(props))
-                await self._execute("device_add", {"driver": slot["type"], "id": device_id,
-                                                   **props})
-        except ExecuteError as exc:
-            raise CannotGrow(f"vCPU hot-plug refused by QEMU: {exc}") from None
-        after = await self._execute("query-cpus-fast")
-        return sorted(c["thread-id"] for c in after  # type: ignore[union-attr]
-                      if c["thread-id"] not in before)
+        """No unplug, and no free slot under TCG: shim/vm/qemu_hotplug.py."""
+        return await qemu_hotplug.add_vcpus(self._execute, count)
 
     async def add_memory(self, mib: int) -> int:
-        """Hot-plug `mib` MiB as one pc-dimm (the guest onlines its blocks); MiB added.
-        Memory is never taken back: a guest cannot be trusted to give it up."""
-        if mib <= 0 or mib % MEMORY_BLOCK_MIB:
-            raise CannotGrow(f"memory hot-plug takes multiples of {MEMORY_BLOCK_MIB} "
-                             f"MiB, not {mib}")
-        _, total = await self.size()
-        if total + mib > self.spec.max_memory_mib:
-            raise CannotGrow(f"cannot add {mib} MiB: the VM has {total} MiB and may "
-                             f"grow to {self.spec.max_memory_mib} MiB (maxmem)")
-        dimms = [d for d in await self._execute("query-memory-devices")]  # type: ignore[union-attr]
-        name = f"mem{len(dimms)}"
-        try:
-            await self._execute("object-add", {"qom-type": "memory-backend-ram", "id": name,
-                                               "size": mib << 20})
-        except ExecuteError as exc:
-            raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
-        try:
-            await self._execute("device_add", {"driver": "pc-dimm",
-                                               "id": f"dimm{len(dimms)}", "memdev": name})
-        except ExecuteError as exc:
-            await self._execute("object-del", {"id": name})
-            raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
-        return mib
+        return await qemu_hotplug.add_memory(self._execute, mib, self.spec.max_memory_mib)
 
     async def stop(self, timeout: float = 10) -> None:
         proc = self._proc
@@ -522,12 +365,3 @@ def _unlink(path: str) -> None:
     except FileNotFoundError:
         pass
 
-
-def _tail(path: str, size: int = 600) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode(errors="replace").strip().replace("\n", " | ")
-    except OSError:
-        return ""

@@ -10,8 +10,8 @@ import os
 
 from podvm_core.protocol import AGENT_PORT
 
-from ..config import QemuConfig
-from .hypervisor import VMSpec
+from ..config import HypervisorConfig
+from .hypervisor import VMSpec, template_mac
 
 SHARE_TAG = "podvm"
 ROOT_IMAGE = "rootfs"
@@ -40,7 +40,7 @@ KERNEL_PARAMS = ("console=ttyS0 panic=1 reboot=t quiet i8042.noaux i8042.nomux i
 FAST_PARAMS = "mitigations=off nokaslr lsm=capability init_on_alloc=0"
 
 
-def kernel_line(q: QemuConfig, template: bool) -> str:
+def kernel_line(q: HypervisorConfig, template: bool) -> str:
     """The guest's kernel command line less maxcpus=: podvm's own parameters, then the
     weaker fast form if configured, the operator's kernel_params (config.py refuses
     those that would change what podvm relies on), and the template marker."""
@@ -52,11 +52,6 @@ def kernel_line(q: QemuConfig, template: bool) -> str:
 TEMPLATE_PARAM = "podvm_template=1"
 """On the kernel line of a template's VM and of those restored from it: an environment
 variable of guest/init (the kernel passes on what it does not know)."""
-
-
-def template_mac(index: int) -> str:
-    """NIC `index`'s MAC in a template (locally administered, "pod" in its middle)."""
-    return f"02:70:6f:64:00:{index:02x}"
 
 
 def agent_socket(workdir: str) -> str:

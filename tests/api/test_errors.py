@@ -13,7 +13,8 @@ from shim.api import errors
 from shim.config import ConfigError
 from shim.cpus.allocator import NoFreeCPUs
 from shim.vm.hypervisor import BootTimeout, CannotGrow, HypervisorError, MissingFile, VMExited
-from shim.pod.pod import StaticRefusal
+from shim.pod.errors import (NotRunning, PodFilesError, Refused, StaticRefusal, StepFailed,
+                             VMGone)
 from shim.resources.model import NoFit, PlanError
 from shim.resources.update import StaticSizeExceeded
 
@@ -55,3 +56,23 @@ def test_each_error_answers_one_code(exc: BaseException, code: Code) -> None:
     assert answer.code is code
     if not isinstance(exc, TtrpcError):
         assert answer.message == f"podvm: booting: {exc}"
+
+
+@pytest.mark.parametrize("exc, code", [
+    (Refused("podvm runs the pod in a VM"), Code.INVALID_ARGUMENT),
+    (NotRunning(), Code.FAILED_PRECONDITION),
+    (PodFilesError("cannot write the pod's /etc files"), Code.FAILED_PRECONDITION),
+])
+def test_the_pods_refusals_answer_as_worded(exc: BaseException, code: Code) -> None:
+    answer = errors.to_ttrpc(exc)
+    assert (answer.code, answer.message) == (code, str(exc))
+
+
+def test_a_failed_step_answers_its_causes_code_naming_the_step() -> None:
+    cause = cgroups.InvalidLimits("memory below use")
+    answer = errors.to_ttrpc(StepFailed("resizing sandbox sb", cause))
+    assert answer.code is Code.INVALID_ARGUMENT
+    assert answer.message == errors.to_ttrpc(cause, "resizing sandbox sb").message
+    gone = VMExited("QEMU exited with status 1")
+    answer = errors.to_ttrpc(VMGone(gone))
+    assert (answer.code, answer.message) == (Code.UNAVAILABLE, f"podvm: {gone}")

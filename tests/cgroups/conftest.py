@@ -145,7 +145,7 @@ def proc_cgroups(pid: int, tid: int) -> dict[str, str]:
 
 def expected_for(manager: CgroupManager, layout: SandboxLayout, child: str | None
                  ) -> dict[str, str]:
-    """Where the layout of design.md says a thread sorted into `child` must be."""
+    """Where docs/design.md, Sandbox cgroup layout, says a thread sorted into `child` must be."""
     target = f"{layout.sandbox}/{child}" if child else layout.sandbox
     if manager.version == 2:
         return {"unified": target}

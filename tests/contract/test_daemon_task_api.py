@@ -9,7 +9,8 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, Server, TtrpcError
 from shim import __version__
-from shim.contract.daemon import TASK_SERVICES, TaskAPI
+from shim.api.task.deferred import TaskAPI
+from shim.contract.daemon import TASK_SERVICES
 from shim.api.events import Publisher
 
 
@@ -19,7 +20,7 @@ class FakeTasks:
     made: list[FakeTasks] = []
 
     def __init__(self, namespace: str, publisher: Publisher, shutdown,
-                 network_worker=None) -> None:
+                 slot=None) -> None:
         self.namespace = namespace
         self.closed = False
         FakeTasks.made.append(self)

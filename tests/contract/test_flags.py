@@ -31,10 +31,3 @@ def test_go_flag_spellings() -> None:
 def test_bad_command_lines_say_what_is_wrong(argv, message) -> None:
     with pytest.raises(UsageError, match=message):
         parse(argv)
-
-
-def test_daemon_gets_the_flags_back() -> None:
-    flags = parse(["-namespace", "ns", "-id", "x", "-address", "/a", "-bundle", "/b", "start"])
-    again = parse(flags.daemon_argv("unix:///s"))
-    assert (again.namespace, again.id, again.address, again.bundle, again.socket,
-            again.action) == ("ns", "x", "/a", "/b", "unix:///s", "serve")

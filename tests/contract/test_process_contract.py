@@ -1,4 +1,5 @@
-"""The shim binary's contract with containerd (protocol.md section 2), on the real binary."""
+"""The real shim binary against its contract with containerd (docs/design.md, The process
+contract)."""
 from __future__ import annotations
 
 import asyncio

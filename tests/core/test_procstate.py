@@ -1,6 +1,6 @@
 """The process state model both the shim and the guest agent keep: every operation in
 every state, against a table written here from containerd's runc shim
-(pkg/process/init_state.go, deleted_state.go) and protocol.md section 3, not from the
+(pkg/process/init_state.go, deleted_state.go) and docs/design.md, Task API processes, not from the
 module: what each legal operation leads to, and the code and words of each refusal."""
 from __future__ import annotations
 

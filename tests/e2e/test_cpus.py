@@ -1,4 +1,4 @@
-"""CPU affinity and reservations through containerd's CRI (resources.md sections 4 and 5):
+"""CPU affinity and reservations through containerd's CRI (docs/design.md, CPUs):
 a pod's vCPU threads stay on the CPUs its containers' cpusets give, pinned 1:1 when
 asked, containers confined in the guest to the vCPUs of their own CPUs, and exclusive
 CPUs from the node-wide allocator. Real containerd, real QEMU (TCG), real cgroups."""

@@ -1,6 +1,6 @@
 """Every host thread of a pod's VM in the pod's sandbox cgroup, by role, on this host's
 real cgroup v1 hierarchies with a real QEMU (TCG), and the CPU and memory QEMU uses
-charged there (resources.md section 1). The same placement on cgroup v2 runs inside the
+charged there (docs/design.md, Sandbox cgroup layout). The same placement on cgroup v2 runs in the
 guest VM: tests/cgroups/test_v2_full_host.py."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ WHOLE = ("memory", "pids", "devices")
 
 
 def misplaced(pod: dict) -> list[str]:
-    """Every thread not exactly where design.md puts it: the empty list when all are."""
+    """Every thread not exactly where docs/design.md puts it: the empty list when all are."""
     sandbox, wrong = pod["sandbox_cgroup"], []
     for tid, (name, groups) in threads(pod["qemu_pid"]).items():
         child = "vcpus" if name.startswith("CPU ") else "vmm"

@@ -1,5 +1,5 @@
 """One plan for the VM, the sandbox cgroup and Kubernetes' view, through containerd's CRI
-(resources.md sections 2 and 3): a pod's limits size its VM at boot, `crictl update`
+(docs/design.md, Resource model): a pod's limits size its VM at boot, `crictl update`
 grows the running VM in dynamic mode and is refused in static mode, a pod that cannot
 fit is refused at runp and leaves nothing. Real containerd, real QEMU (TCG)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The agent's pod network and pod namespaces in a real guest (TCG, the real image): a VM
-with a NIC on a tap bridged to a namespace's eth0 (shim/network, as Sandbox.boot makes
+with a NIC on a tap bridged to a namespace's eth0 (shim/network, as Machine.boot makes
 it), ConfigureNetwork applied twice with the same result, its refusals in the guest's
 words, and CreatePodNamespaces naming the pod's uts namespace."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 certificates, so the kernel could only hash each module at load to find no key."""
 from __future__ import annotations
 
-from guest.build import SIGNATURE_MAGIC, unsigned
+from guest.kernel import SIGNATURE_MAGIC, unsigned
 
 
 def test_the_appended_signature_goes_and_the_module_stays() -> None:

@@ -109,7 +109,7 @@ def test_cleanup_unmounts_inside_the_pod_s_namespace_while_it_lives(pod, tmp_pat
     seen = ask(pod, str(tmp_path / "state"), "c1", str(tmp_path / "volume"), "", False, False)
     assert str(shared / "c1" / "rootfs") in seen["points"]
     assert seen["seen"]["top"] == "own\n"  # the pod's own mount, not the host's directory
-    assert cleanup.namespace_holder([pod.pid]) == pod.pid
+    assert cleanup.pod_mount_process([pod.pid]) == pod.pid
     assert cleanup.unmount_in_pod([str(shared / "c1"), str(tmp_path / "volume")], pod.pid,
                                   "sb") == 2
     with open(f"/proc/{pod.pid}/mountinfo") as f:
@@ -120,7 +120,7 @@ def test_cleanup_unmounts_inside_the_pod_s_namespace_while_it_lives(pod, tmp_pat
                                   "sb") == 0  # idempotent
     pod.kill()
     pod.wait()
-    assert cleanup.namespace_holder([pod.pid]) is None
+    assert cleanup.pod_mount_process([pod.pid]) is None
 
 
 def test_a_process_with_threads_is_refused_clearly() -> None:

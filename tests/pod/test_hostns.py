@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from podvm_core.ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code
+from shim.api import errors
+from shim.pod.errors import Refused
 from shim.pod.hostns import refuse_host_propagation
 
 
@@ -23,15 +25,15 @@ def test_private_mounts_pass(options: list[str]) -> None:
                                           ("rshared", "Bidirectional"),
                                           ("slave", "HostToContainer")])
 def test_propagation_from_the_host_is_refused_naming_the_mount(option, field) -> None:
-    with pytest.raises(TtrpcError) as refused:
+    with pytest.raises(Refused) as refused:
         refuse_host_propagation("c1", spec(["rbind", "rw"], ["rbind", option, "rw"]))
-    assert refused.value.code == Code.INVALID_ARGUMENT
-    message = str(refused.value)
+    assert errors.code_of(refused.value) == Code.INVALID_ARGUMENT
+    message = errors.to_ttrpc(refused.value).message
     assert "container c1" in message and f"/m1 ({option}: mountPropagation {field})" in message
     assert "/m0" not in message and "VM" in message
 
 
 def test_rootfs_propagation_alone_is_refused() -> None:
-    with pytest.raises(TtrpcError, match=r"rootfsPropagation\) \(rshared"):
+    with pytest.raises(Refused, match=r"rootfsPropagation\) \(rshared"):
         refuse_host_propagation("c1", spec(["rbind"], rootfs="rshared"))
     refuse_host_propagation("c1", spec(["rbind"], rootfs="rprivate"))

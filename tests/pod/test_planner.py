@@ -7,7 +7,7 @@ import pytest
 
 from podvm_core.pb.cri import api_pb2 as cri
 from shim.config import Config
-from shim.pod.planner import PodPlanner, pod_cgroup_memory_mib
+from shim.resources.planner import PodPlanner, pod_cgroup_memory_mib
 from shim.resources import Host, NoFit
 
 MIB = 1 << 20

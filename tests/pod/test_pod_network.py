@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from podvm_core.ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code
 from shim import config
+from shim.api import errors
+from shim.api.task.request import pod_request
+from shim.pod.errors import Refused
 from shim.pod.pod import Pod
+
+
+def create(spec: dict) -> Pod:
+    return Pod.create(pod_request("k8s.io", "sb", spec), config.Config())
 
 
 def sandbox_spec(*namespaces: dict) -> dict:
@@ -18,21 +25,21 @@ def sandbox_spec(*namespaces: dict) -> dict:
 
 def test_the_cni_namespace_is_the_pods_network() -> None:
     spec = sandbox_spec({"type": "network", "path": "/var/run/netns/cni-1234"})
-    pod = Pod.for_sandbox_container("k8s.io", "sb", config.Config(), spec)
+    pod = create(spec)
     assert pod.netns == "/var/run/netns/cni-1234"
 
 
 def test_a_new_namespace_without_path_is_a_pod_without_interfaces() -> None:
-    pod = Pod.for_sandbox_container("k8s.io", "sb", config.Config(),
-                                    sandbox_spec({"type": "network"}))
+    pod = create(sandbox_spec({"type": "network"}))
     assert pod.netns == ""
 
 
 def test_the_host_network_is_refused() -> None:
-    with pytest.raises(TtrpcError) as err:
-        Pod.for_sandbox_container("k8s.io", "sb", config.Config(), sandbox_spec())
-    assert err.value.code == Code.INVALID_ARGUMENT
-    assert "hostNetwork: true" in err.value.message and "runc" in err.value.message
+    with pytest.raises(Refused) as err:
+        create(sandbox_spec())
+    answer = errors.to_ttrpc(err.value)
+    assert answer.code == Code.INVALID_ARGUMENT
+    assert "hostNetwork: true" in answer.message and "runc" in answer.message
 
 
 @pytest.mark.parametrize("missing, field", [("pid", "hostPID"), ("ipc", "hostIPC")])
@@ -40,7 +47,8 @@ def test_the_hosts_pid_and_ipc_namespaces_are_refused(missing: str, field: str) 
     spec = sandbox_spec({"type": "network"})
     spec["linux"]["namespaces"] = [ns for ns in spec["linux"]["namespaces"]
                                    if ns["type"] != missing]
-    with pytest.raises(TtrpcError) as err:
-        Pod.for_sandbox_container("k8s.io", "sb", config.Config(), spec)
-    assert err.value.code == Code.INVALID_ARGUMENT
-    assert f"{field}: true" in err.value.message and "hostNetwork" not in err.value.message
+    with pytest.raises(Refused) as err:
+        create(spec)
+    answer = errors.to_ttrpc(err.value)
+    assert answer.code == Code.INVALID_ARGUMENT
+    assert f"{field}: true" in answer.message and "hostNetwork" not in answer.message

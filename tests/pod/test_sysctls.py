@@ -6,8 +6,10 @@ import dataclasses
 import pytest
 
 from podvm_core.pb.cri import api_pb2 as cri
-from podvm_core.ttrpc import Code, TtrpcError
+from podvm_core.ttrpc import Code
 from shim import config
+from shim.api import errors
+from shim.pod.errors import Refused
 from shim.pod.sysctls import allowed, check_pod_sysctls, namespace_of
 
 CFG = dataclasses.replace(config.Config(), source="/etc/podvm/configuration.toml")
@@ -39,10 +41,11 @@ def test_namespaced_sysctls_pass_in_either_form() -> None:
 
 
 def refusal(sysctls, cfg: config.Config = CFG) -> str:
-    with pytest.raises(TtrpcError) as caught:
+    with pytest.raises(Refused) as caught:
         check_pod_sysctls(sysctls, cfg)
-    assert caught.value.code == Code.INVALID_ARGUMENT
-    return caught.value.message
+    answer = errors.to_ttrpc(caught.value)
+    assert answer.code == Code.INVALID_ARGUMENT
+    return answer.message
 
 
 def test_a_vm_wide_sysctl_is_refused_naming_it_why_and_the_way_out() -> None:

@@ -24,7 +24,8 @@ def loaded(*modules: str) -> set[str]:
 
 
 def test_the_shim_never_loads_the_webhook() -> None:
-    shim = loaded("shim.contract.cli", "shim.contract.manager", "shim.contract.daemon", "shim.pod.pod", "podvmctl.cli")
+    shim = loaded("shim.contract.cli", "shim.contract.manager", "shim.contract.daemon",
+                  "shim.pod.pod", "podvmctl.cli")
     assert "shim.pod.pod" in shim  # the probe does load what it names
     assert not {m for m in shim if m.split(".")[0] in ("aiohttp", "yaml")
                 or m.startswith("podvm_webhook")}

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from shim.config import ConfigError, QemuConfig, parse
+from shim.config import ConfigError, HypervisorConfig, parse
 from shim.vm.qemu import QemuVM
 from shim.vm.qemu_command import FAST_PARAMS, TEMPLATE_PARAM, kernel_line
 from shim.resources.annotations import KATA, apply_kata_overrides
@@ -69,7 +69,7 @@ def test_guest_kernel_keeps_its_defences(tmp_path) -> None:
     """Booted as a pod's VM is by default: mitigations on (under TCG's `-cpu max` only
     Spectre v1/v2 apply: the rest say "Not affected"), Debian's LSMs, zeroed heap
     allocations. The kernel is not relocated (PVH skips the decompressor that does
-    KASLR): what QemuVM._vcpu_positions relies on."""
+    KASLR): what shim/vm/qemu_diagnosis.py's vcpu_positions relies on."""
     found = probe(tmp_path, kernel_append(tmp_path).replace(" quiet", ""))
     assert not set(WEAK) & set(found["cmdline"].split()), found["cmdline"]
     assert found["spectre_v2"].startswith("Mitigation: "), found
@@ -113,7 +113,7 @@ def test_bench_rows_each_add_back_one_defence_alone() -> None:
     rows = configurations()
     weak = set(FAST_PARAMS.split())
     for name, param in DEFENCES.items():
-        line = set(kernel_line(QemuConfig(**rows[f"  + {name} alone"]), False).split())
+        line = set(kernel_line(HypervisorConfig(**rows[f"  + {name} alone"]), False).split())
         assert line & weak == weak - {param}, (name, line & weak)
-    assert set(kernel_line(QemuConfig(**rows["after: the defaults"]), False).split()) \
+    assert set(kernel_line(HypervisorConfig(**rows["after: the defaults"]), False).split()) \
         .isdisjoint(weak)

@@ -2,7 +2,7 @@
 pod sandbox itself to the shim, with the whole PodSandboxConfig (resources, overhead,
 cgroup parent) before anything boots. No pause container: the VM is the sandbox, and a
 process in the guest holds the pod's namespaces. Containers then come through the Task
-API of the same shim. Protocol: protocol.md section 4.
+API of the same shim. The flow: docs/design.md, Through the Sandbox API.
 
 States: (none) -CreateSandbox-> created -StartSandbox-> ready -StopSandbox/VM exit->
 stopped; ShutdownSandbox ends the shim from any of them."""
@@ -22,17 +22,12 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # The daemon loads this module at the first Sandbox API call (shim/contract/daemon.py), so the
 # pod's machinery is imported here at the top: a sandbox is about to need it.
-from ... import config
-from ...host import paths
-from ...pod.planner import (PodPlanner, parse_linux_resources, planned, pod_cgroup_memory_mib,
-                            pod_resources)
-from ...pod.hostns import host_namespaces_refusal
-from ...pod.podfiles import PodFiles
-from ...pod.sysctls import check_pod_sysctls
+from ..options import load_config
 from ...pod.pod import Pod
 from ...pod.slot import VM_GONE_STATUS, PodSlot
 from ...network import remote
-from ...vm.sandbox import host
+from ...resources.planner import parse_linux_resources, pod_cgroup_memory_mib, pod_resources
+from .request import pod_request
 
 if TYPE_CHECKING:
     from ...resources import ContainerResources
@@ -61,8 +56,6 @@ class SandboxService:
         self.phase: Phase | None = None
         self._pod: Pod | None = None
         self._overhead_bytes = 0
-        self._hostname = ""
-        self._sysctls: dict[str, str] = {}
         self._created_at_ns = 0
         self._exited_at_ns = 0
         self._exit_status = 0
@@ -112,49 +105,21 @@ class SandboxService:
         if self.slot.pod is not None:
             raise TtrpcError(Code.ALREADY_EXISTS, f"this shim already serves the pod "
                                                   f"{self.slot.pod.id!r}")
-        try:
-            cfg = config.load()
-        except config.ConfigError as exc:
-            raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm configuration: {exc}") from None
+        cfg = load_config()
         pod_config = _pod_config(req.options) or cri.PodSandboxConfig()
-        options = pod_config.linux.security_context.namespace_options
-        shared = [ns for ns, mode in (("network", options.network), ("pid", options.pid),
-                                      ("ipc", options.ipc)) if mode == cri.NODE]
-        if shared:
-            raise host_namespaces_refusal(shared)
-        check_pod_sysctls(pod_config.linux.sysctls, cfg)
-        try:
-            files = PodFiles.of(pod_config)
-        except OSError as exc:
-            raise TtrpcError(Code.FAILED_PRECONDITION, f"the pod has no DNS configuration "
-                                                       f"and the host's cannot be read: "
-                                                       f"{exc}") from None
-        # The network worker starts first: its start overlaps the plan, and the boot
-        # finds it ready.
-        worker = await remote.Worker.start() if req.netns_path else None
-        try:
-            annotations = {**pod_config.annotations, **req.annotations}
-            planner = planned(lambda: PodPlanner.for_pod_config(cfg, pod_config, annotations,
-                                                                host()))
-            pod = Pod(self.namespace, req.sandbox_id, cfg, planner,
-                      _cgroups_path(pod_config.linux.cgroup_parent, req.sandbox_id),
-                      req.netns_path, worker)
-            try:
-                pod.files = files.write(paths.state_dir(self.namespace, req.sandbox_id))
-            except OSError as exc:
-                raise TtrpcError(Code.FAILED_PRECONDITION,
-                                 f"cannot write the pod's /etc files: {exc}") from None
-        except BaseException:
-            if worker is not None:
+        pod = Pod.create(pod_request(self.namespace, req.sandbox_id, pod_config,
+                                     {**pod_config.annotations, **req.annotations},
+                                     req.netns_path), cfg)
+        if req.netns_path:
+            # Started now, it is ready when StartSandbox boots the pod.
+            worker = await remote.Worker.start()
+            if not self.slot.keep_network_worker(worker):
                 await worker.close()
-            raise
         pod.listen(self)
         self.slot.take(pod)
         self.slot.sandbox_api_owner = req.sandbox_id
         self.id, self.phase, self._pod = req.sandbox_id, Phase.CREATED, pod
         self._overhead_bytes = max(0, pod_config.linux.overhead.memory_limit_in_bytes)
-        self._hostname = files.hostname
-        self._sysctls = dict(pod_config.linux.sysctls)
         return api.CreateSandboxResponse()
 
     async def StartSandbox(self, req: api.StartSandboxRequest,
@@ -164,9 +129,10 @@ class SandboxService:
                              f"sandbox {req.sandbox_id!r} was not created: CreateSandbox first")
         async with self._transition:
             pod = self._check(req.sandbox_id, Phase.CREATED)
-            await pod.boot()  # a failed boot leaves nothing: Start may be tried again
+            # A failed boot leaves nothing: Start may be tried again.
+            await pod.boot(self.slot.pop_network_worker())
             try:
-                holder = await pod.agent.create_pod_namespaces(self._hostname, self._sysctls)
+                holder = await pod.hold_namespaces()
             except BaseException:
                 # The VM is gone with the slot's hold on it: this sandbox is over, and a
                 # second Start must not boot a pod the Task API would never see.
@@ -193,6 +159,7 @@ class SandboxService:
         pod = self._check(req.sandbox_id)
         async with self._transition:
             await pod.stop(grace=req.timeout_secs or STOP_TIMEOUT)
+            await self.slot.close()  # a worker kept for a boot that will not come
             if self.phase is not Phase.STOPPED:
                 self._stopped(0)
         return api.StopSandboxResponse()
@@ -222,7 +189,7 @@ class SandboxService:
 
     async def PingSandbox(self, req: api.PingRequest, ctx: Context) -> api.PingResponse:
         pod = self._check(req.sandbox_id, Phase.READY)
-        await pod.agent.ping(timeout=10)
+        await pod.ping(timeout=10)
         return api.PingResponse()
 
     async def ShutdownSandbox(self, req: api.ShutdownSandboxRequest,
@@ -230,6 +197,7 @@ class SandboxService:
         pod = self._check(req.sandbox_id)
         async with self._transition:
             await pod.stop(grace=STOP_TIMEOUT)
+            await self.slot.close()  # a worker kept for a boot that will not come
             if self.phase is not Phase.STOPPED:
                 self._stopped(0)
         log.info("sandbox %s: shutdown", self.id)
@@ -302,12 +270,3 @@ def _pod_config(options):
         raise TtrpcError(Code.INVALID_ARGUMENT,
                          f"sandbox options are not a PodSandboxConfig: {exc}") from None
 
-
-def _cgroups_path(cgroup_parent: str, sandbox_id: str) -> str:
-    """Where the sandbox container's cgroup would be, in the parent's syntax: the
-    sandbox cgroup goes next to it, under the pod cgroup."""
-    if not cgroup_parent:
-        return ""
-    if cgroup_parent.endswith(".slice"):
-        return f"{cgroup_parent}:cri-containerd:{sandbox_id}"
-    return f"{cgroup_parent.rstrip('/')}/{sandbox_id}"

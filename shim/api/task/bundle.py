@@ -1,16 +1,12 @@
-"""What a Create brings besides its request: the bundle's OCI spec and the podvm
-configuration that containerd's runtime options name."""
+"""What a Create brings besides its request: the bundle's OCI spec (the podvm
+configuration its runtime options name is shim/api/options.py's)."""
 from __future__ import annotations
 
 import os
 
-from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from podvm_core.ttrpc import Code, TtrpcError
 
-from ... import config
 from ...host import paths
-
-RUNTIME_OPTIONS = "runtimeoptions.v1.Options"
 
 
 def read_bundle(bundle: str) -> dict:
@@ -25,12 +21,3 @@ def read_bundle(bundle: str) -> dict:
         raise TtrpcError(Code.INVALID_ARGUMENT, f"bundle {bundle} has no OCI spec (config.json)")
     return spec
 
-
-def load_config(options) -> config.Config:
-    config_path = ""
-    if options.type_url.endswith(RUNTIME_OPTIONS):
-        config_path = Options.FromString(options.value).config_path
-    try:
-        return config.load(config_path)
-    except config.ConfigError as exc:
-        raise TtrpcError(Code.INVALID_ARGUMENT, f"podvm configuration: {exc}") from None

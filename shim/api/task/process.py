@@ -15,8 +15,11 @@ from podvm_core.procstate import (CREATED, DELETED, PAUSED, RUNNING, STOPPED, Li
                                   ProcessState, pick)
 from podvm_core.ttrpc import Code, TtrpcError
 
+from ..errors import to_ttrpc
+from ...pod.errors import PodError
+
 if TYPE_CHECKING:
-    from ...vm.agent import Agent
+    from ...pod.pod import Pod
 
 log = logging.getLogger("podvm.task")
 
@@ -45,7 +48,7 @@ class Process(Lifecycle):
         if self.io is not None:
             await self.io.close()
 
-    async def forget_in_guest(self, agent: Callable[[], Agent]) -> None:
+    async def forget_in_guest(self, pod: Callable[[], Pod]) -> None:
         """An exec's Delete reaches the guest, which forgets the exec and closes the
         stdio it holds: else the agent keeps every exec a kubelet probe ever ran, and
         refuses its id again. NOT_FOUND is done (forgotten, or its container gone);
@@ -54,11 +57,12 @@ class Process(Lifecycle):
         if self.io is None:
             return  # never started: the guest never had it
         try:
-            await agent().remove_process(self.container_id, self.exec_id)
-        except TtrpcError as exc:
-            if exc.code != Code.NOT_FOUND:
+            await pod().forget_exec(self.container_id, self.exec_id)
+        except (TtrpcError, PodError) as exc:
+            answer = to_ttrpc(exc)
+            if answer.code != Code.NOT_FOUND:
                 log.warning("%s: deleted, but the guest could not forget it: %s",
-                            self.name, exc)
+                            self.name, answer)
 
 
 @dataclass(eq=False)

@@ -6,14 +6,17 @@ runc shim does: CRI's container status then reads OOMKilled.
 The guest is not trusted: an OOM kill or exit is published only for a container of this
 pod (a guest could otherwise publish TaskOOM for any container id on the node's event
 bus); the others are dropped, with a rate-limited warning. An exit's time is the guest's
-only when it is a plausible one."""
+only when it is a plausible one.
+
+Reporting goes one way: the reporter waits for exits through the Pod (Pod.wait, which
+also tells the Pod that a container's init ended) and never calls back into it."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -21,9 +24,13 @@ from podvm_core.pb.containerd.events import task_pb2 as events
 from podvm_core.ttrpc import TtrpcError
 
 from ..events import Publisher
-from ...pod.slot import VM_GONE_STATUS, PodSlot
+from ...pod.errors import PodError
+from ...pod.slot import VM_GONE_STATUS
 from podvm_core.ratelimit import LimitedLog
 from .process import Container, Process
+
+if TYPE_CHECKING:
+    from ...pod.pod import Pod
 
 log = logging.getLogger("podvm.task")
 
@@ -32,11 +39,10 @@ _CLOCK_SLACK_NS = 60 * 10**9
 
 
 class Reporter:
-    def __init__(self, publisher: Publisher | None, slot: PodSlot,
+    def __init__(self, publisher: Publisher | None,
                  containers: Mapping[str, Container]) -> None:
         """`containers`: this pod's, as the Task service holds them (live view)."""
         self._publisher = publisher
-        self._slot = slot
         self._containers = containers
         self._background: set[asyncio.Task] = set()
         self._foreign = LimitedLog(log)
@@ -52,19 +58,20 @@ class Reporter:
         if self._publisher is not None:
             self._publisher.publish(topic, event)
 
-    def watch(self, proc: Process, agent: Callable) -> None:
-        """A started process: report its exit when the guest does."""
-        task = asyncio.create_task(self._reap(proc, agent))
+    def watch(self, proc: Process, pod: Callable[[], Pod]) -> None:
+        """A started process: report its exit when the guest does (`pod`: the one it
+        runs in, when asked)."""
+        task = asyncio.create_task(self._reap(proc, pod))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _reap(self, proc: Process, agent: Callable) -> None:
+    async def _reap(self, proc: Process, pod: Callable[[], Pod]) -> None:
         """Wait for the guest process to exit, let its output drain, report the exit
         (and the OOM kill that came with it first)."""
         try:
-            result = await agent().wait(proc.container_id, proc.exec_id)
+            result = await pod().wait(proc.container_id, proc.exec_id)
             status, at_ns = result.exit_status, _plausible(result.exited_at)
-        except TtrpcError as exc:
+        except (TtrpcError, PodError) as exc:
             log.warning("%s: lost track of the process: %s", proc.name, exc)
             status, at_ns = VM_GONE_STATUS, time.time_ns()
         else:
@@ -78,8 +85,6 @@ class Reporter:
         """`proc` ended with `status`: containerd hears it once."""
         if not proc.set_exited(status, at_ns) or not self._ours(proc.container_id, "an exit"):
             return
-        if not proc.exec_id and self._slot.pod is not None:
-            self._slot.pod.container_stopped(proc.container_id)
         event = events.TaskExit(container_id=proc.container_id,
                                 id=proc.exec_id or proc.container_id, pid=proc.pid,
                                 exit_status=status)

@@ -19,17 +19,19 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from ... import __version__
 from ...host import paths
+from ..errors import to_ttrpc
 from ..events import Publisher
+from ..options import load_config
 from ...host.mounts import Mount
+from ...pod.errors import NotRunning, PodError
 from ...pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
-from ...vm.stdio import ProcessIO, Stdio
-from .bundle import load_config, read_bundle
+from ...vm.stdio import Stdio
+from .bundle import read_bundle
 from .reporting import Reporter
 from .process import Container, Process, status_of
 
 if TYPE_CHECKING:
     from ...vm.hypervisor import HypervisorError
-    from ...network import remote
     from ...pod.pod import Pod
 
 log = logging.getLogger("podvm.task")
@@ -39,16 +41,14 @@ CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 class TaskService:
     def __init__(self, namespace: str, publisher: Publisher,
-                 shutdown: Callable[[], None], slot: PodSlot | None = None,
-                 network_worker: remote.Worker | None = None) -> None:
-        """`network_worker`: one the daemon started for the pod its first Create boots."""
+                 shutdown: Callable[[], None], slot: PodSlot | None = None) -> None:
+        """`slot`: the daemon's, shared with the Sandbox API (a slot of its own if none)."""
         self.namespace = namespace
         self.containers: dict[str, Container] = {}
         self.slot = slot or PodSlot()
         self.slot.listen(self)
-        self.report = Reporter(publisher, self.slot, self.containers)
+        self.report = Reporter(publisher, self.containers)
         self._shutdown = shutdown
-        self._network_worker = network_worker
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -61,11 +61,8 @@ class TaskService:
 
     def _pod(self) -> Pod:
         if self.slot.pod is None:
-            raise TtrpcError(Code.FAILED_PRECONDITION, "the pod's VM is not running")
+            raise to_ttrpc(NotRunning())
         return self.slot.pod
-
-    def _agent(self):
-        return self._pod().agent
 
     # what the pod tells
     def vm_exited(self, error: HypervisorError) -> None:
@@ -89,16 +86,16 @@ class TaskService:
         if req.id in self.containers:
             raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
         spec = read_bundle(req.bundle)
-        pod, holder = await self._pod_for(req, spec)
+        pod, owns_vm = await self._pod_for(req, spec)
         await pod.add_container(
             req.id, req.bundle, spec, [Mount(m.type, m.source, tuple(m.options))
                                        for m in req.rootfs],
-            Stdio.of(req.stdin, req.stdout, req.stderr, req.terminal), holder=holder,
+            Stdio.of(req.stdin, req.stdout, req.stderr, req.terminal), owns_vm=owns_vm,
             pod_holder=(spec.get("annotations") or {}).get(CONTAINER_TYPE) == "sandbox")
         init = Process(req.id, pid=pod.pid, stdin=req.stdin, stdout=req.stdout,
                        stderr=req.stderr, terminal=req.terminal)
-        init.io = ProcessIO(pod.agent, req.id, "", req.stdin, req.stdout, req.stderr,
-                            req.terminal)
+        init.io = pod.process_io(req.id, "", req.stdin, req.stdout, req.stderr,
+                                 req.terminal)
         init.io.start()
         self.containers[req.id] = Container(req.id, req.bundle, init)
         self.report.publish("/tasks/create", events.TaskCreate(
@@ -108,8 +105,8 @@ class TaskService:
         return api.CreateTaskResponse(pid=init.pid)
 
     async def _pod_for(self, req: api.CreateTaskRequest, spec: dict) -> tuple[Pod, bool]:
-        """The pod the container goes into, and whether it holds it: the sandbox
-        container's Create plans and boots the pod."""
+        """The pod the container goes into, and whether its Create boots the VM (it owns
+        the VM: the sandbox container's Create plans and boots the pod)."""
         annotations = spec.get("annotations") or {}
         pod = self.slot.pod
         if pod is not None:
@@ -123,21 +120,17 @@ class TaskService:
                              f"container {req.id} belongs to sandbox "
                              f"{annotations.get(paths.SANDBOX_ID_ANNOTATION)!r}, whose VM this "
                              f"shim does not run")
-        # The network worker the daemon started for this pod when it came up (the pod's
-        # boot starts one where the daemon has not).
-        worker, self._network_worker = self._network_worker, None
-        try:
-            from ...pod.pod import Pod  # the VM machinery loads with a pod's first Create
+        cfg = load_config(req.options)
+        # Both here, not at the top: the VM machinery loads with a pod's first Create.
+        from ...pod.pod import Pod
+        from .request import pod_request  # likewise
 
-            pod = Pod.for_sandbox_container(self.namespace, req.id, load_config(req.options),
-                                            spec, worker)
-        except BaseException:
-            if worker is not None:
-                await worker.close()
-            raise
+        pod = Pod.create(pod_request(self.namespace, req.id, spec), cfg)
         self.slot.take(pod)
         try:
-            await pod.boot()
+            # The network worker the daemon started for this pod when it came up (the
+            # pod's boot starts one where the daemon has not).
+            await pod.boot(self.slot.pop_network_worker())
         except BaseException:
             self.slot.pod = None
             raise
@@ -147,16 +140,15 @@ class TaskService:
         container = self._container(req.id)
         proc = container.process(req.exec_id)
         async with proc.acting("start"):
-            agent = self._agent()
+            pod = self._pod()
             if req.exec_id:
-                await agent.exec_process(req.id, req.exec_id, proc.process_json, Stdio.of(
-                    proc.stdin, proc.stdout, proc.stderr, proc.terminal))
-                proc.io = ProcessIO(agent, req.id, req.exec_id, proc.stdin, proc.stdout,
-                                    proc.stderr, proc.terminal)
+                proc.io = await pod.exec_process(req.id, req.exec_id, proc.process_json,
+                                                 proc.stdin, proc.stdout, proc.stderr,
+                                                 proc.terminal)
                 proc.io.start()
             else:
-                await agent.start_container(req.id)
-        self.report.watch(proc, self._agent)
+                await pod.start_container(req.id)
+        self.report.watch(proc, self._pod)
         if req.exec_id:
             self.report.publish("/tasks/exec-started", events.TaskExecStarted(
                 container_id=req.id, exec_id=req.exec_id, pid=proc.pid))
@@ -187,12 +179,12 @@ class TaskService:
         proc = container.process(req.exec_id)
         async with proc.acting("delete"):
             if proc.state is CREATED and not req.exec_id:  # runc's init waits in the guest
-                with contextlib.suppress(TtrpcError):
-                    await self._agent().signal(req.id, "", 9, True)
+                with contextlib.suppress(TtrpcError, PodError):
+                    await self._pod().signal(req.id, "", 9, True)
                 proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
         await proc.stop_io()
         if req.exec_id:
-            await proc.forget_in_guest(self._agent)
+            await proc.forget_in_guest(self._pod)
             del container.execs[req.exec_id]
         else:
             await self._remove_container(container)
@@ -208,7 +200,7 @@ class TaskService:
         del self.containers[container.id]
         pod = self.slot.pod
         if pod is not None:
-            await pod.remove_container(container.id, holder=container.id == pod.id)
+            await pod.remove_container(container.id, owns_vm=container.id == pod.id)
 
     async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:
         """As containerd's runc shim: a signal to a process that has exited answers
@@ -219,12 +211,12 @@ class TaskService:
         async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
             leftovers = proc.state is STOPPED
             try:
-                await self._agent().signal(req.id, req.exec_id, req.signal, req.all)
-            except TtrpcError as exc:
+                await self._pod().signal(req.id, req.exec_id, req.signal, req.all)
+            except (TtrpcError, PodError) as exc:
                 if not leftovers:
                     raise
                 raise TtrpcError(Code.NOT_FOUND, f"{proc.name}: process already finished "
-                                                 f"({exc.message})") from None
+                                                 f"({to_ttrpc(exc).message})") from None
         return Empty()
 
     async def Exec(self, req: api.ExecProcessRequest, ctx: Context) -> Empty:
@@ -250,7 +242,7 @@ class TaskService:
 
     async def ResizePty(self, req: api.ResizePtyRequest, ctx: Context) -> Empty:
         self._process(req.id, req.exec_id).check("resize")
-        await self._agent().resize(req.id, req.exec_id, req.width, req.height)
+        await self._pod().resize_pty(req.id, req.exec_id, req.width, req.height)
         return Empty()
 
     async def CloseIO(self, req: api.CloseIORequest, ctx: Context) -> Empty:
@@ -263,26 +255,26 @@ class TaskService:
     async def Pause(self, req: api.PauseRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
         async with proc.acting("pause"):
-            await self._agent().pause(req.id)
+            await self._pod().pause_container(req.id)
         self.report.publish("/tasks/paused", events.TaskPaused(container_id=req.id))
         return Empty()
 
     async def Resume(self, req: api.ResumeRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
         async with proc.acting("resume"):
-            await self._agent().resume(req.id)
+            await self._pod().resume_container(req.id)
         self.report.publish("/tasks/resumed", events.TaskResumed(container_id=req.id))
         return Empty()
 
     async def Pids(self, req: api.PidsRequest, ctx: Context) -> api.PidsResponse:
         self._container(req.id)
-        processes = await self._agent().pids(req.id)
+        processes = await self._pod().pids(req.id)
         return api.PidsResponse(processes=[ProcessInfo(pid=p.pid) for p in processes])
 
     async def Stats(self, req: api.StatsRequest, ctx: Context) -> api.StatsResponse:
         """The guest's Metrics, checked by the agent's client (shim/vm/agent.py)."""
         self._container(req.id)
-        return api.StatsResponse(stats=await self._agent().stats(req.id))
+        return api.StatsResponse(stats=await self._pod().stats(req.id))
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")
@@ -308,8 +300,6 @@ class TaskService:
 
     async def close(self) -> None:
         """The daemon is exiting: stop the VM if it still runs."""
-        if self._network_worker is not None:
-            await self._network_worker.close()
         for container in list(self.containers.values()):
             for proc in (container.init, *container.execs.values()):
                 await proc.stop_io()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from podvm_core.pb.cri import api_pb2 as cri
 from shim.resources import ContainerResources
-from shim.pod.planner import pod_resources as _pod_resources
-from shim.api.sandbox.service import _cgroups_path
+from shim.resources.planner import pod_resources as _pod_resources
+from shim.api.sandbox.request import _cgroups_path
 
 
 def test_the_sandbox_goes_under_the_cgroup_parent_in_its_syntax() -> None:

@@ -104,7 +104,7 @@ def task_service(agent: Agent, *container_ids: str) -> tuple[TaskService, Publis
     published = Published()
     svc = TaskService("test", publisher=published, shutdown=lambda: None)  # type: ignore[arg-type]
     svc.slot.pod = SimpleNamespace(  # type: ignore[assignment]
-        agent=agent, container_stopped=lambda container_id: None)
+        pids=agent.pids, stats=agent.stats, wait=agent.wait)
     for cid in container_ids:
         svc.containers[cid] = Container(cid, f"/b/{cid}", Process(cid, pid=10, state=RUNNING))
     return svc, published

@@ -1,7 +1,7 @@
 """Process lifecycle as containerd sees it: every state-dependent Task RPC, in every state,
 through TaskService's handlers. Expected outcomes come from containerd's runc shim
-(cmd/containerd-shim-runc-v2/process/init_state.go and exec_state.go) and protocol.md
-section 3, not from shim.api.task.process: a refused call answers a code, names the process
+(cmd/containerd-shim-runc-v2/process/init_state.go and exec_state.go) and docs/design.md,
+Task API processes, not from shim.api.task.process: a refused call answers a code, names the process
 and its state, and changes nothing containerd can observe (State, events).
 
 The service here has no VM. A legal call that needs the guest agent can only show that its
@@ -29,7 +29,7 @@ PID = 4242
 EXIT, EXITED_AT = 3, 1_700_000_000_123_456_789
 FP, NF = Code.FAILED_PRECONDITION, Code.NOT_FOUND
 
-# containerd.v1.types.Status numbers, as protocol.md section 3 lists them.
+# containerd.v1.types.Status numbers (protos/podvm_core/pb/containerd/types/task.proto).
 STATUS = {CREATED: 1, RUNNING: 2, STOPPED: 3, PAUSED: 4}
 
 PROCESS_SPEC = Any(type_url="types.containerd.io/opencontainers/runtime-spec/1/Process",

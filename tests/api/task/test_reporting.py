@@ -9,7 +9,6 @@ import pytest
 
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.procstate import RUNNING
-from shim.pod.slot import PodSlot
 from shim.api.task.process import Container, Process
 from shim.api.task.reporting import Reporter
 
@@ -35,7 +34,7 @@ async def test_an_oom_kill_reported_with_the_exit_is_published_before_it(oom_kil
                                                                          topics) -> None:
     published = Published()
     proc = Process("c1", pid=10, state=RUNNING)
-    reporter = Reporter(published, PodSlot(),  # type: ignore[arg-type]
+    reporter = Reporter(published,  # type: ignore[arg-type]
                         {"c1": Container("c1", "/b", proc)})
     agent = ExitingAgent(pb.WaitProcessResponse(exit_status=137, oom_killed=oom_killed))
     reporter.watch(proc, lambda: agent)

@@ -1,26 +1,27 @@
 """The inputs of one pod's plan, kept for the pod's life: the configuration, the sandbox's
 annotations (CRI's pod totals, Kata's sizing annotations), what the pod cgroup allows,
 and each container's resources. Every change (a container created, updated or removed)
-re-plans from all of them with the pure model; the Pod then applies the delta.
+re-plans from all of them with the pure model; the Pod (shim/pod/pod.py) then applies the
+delta.
 
 Both APIs build these inputs here, from what each receives (the sandbox container's OCI
 spec and its pod cgroup; a PodSandboxConfig), so a pod gets the same plan whichever API
-created it."""
+created it. The webhook (podvm_webhook/policy.py) plans with them too."""
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
-from podvm_core.ttrpc import Code, TtrpcError
 
-from ..api import errors
 from ..config import Config
-from ..resources import (ContainerResources, Host, NoFit, PlanDelta, PlanError, SandboxPlan,
-                        StaticSizeExceeded, plan_sandbox, plan_update, pod_totals)
-from ..resources import annotations as annotations_model
-from ..resources.model import MIB, from_linux_resources, request_from_config
+from . import annotations as annotations_model
+from .model import (MIB, ContainerResources, Host, NoFit, PlanError, SandboxPlan,
+                    from_linux_resources, plan_sandbox, request_from_config)
+from .update import PlanDelta, StaticSizeExceeded, plan_update, pod_totals
+
+T = TypeVar("T")
 
 
 class PodPlanner:
@@ -163,18 +164,13 @@ def resources_of(spec: dict) -> ContainerResources:
     return from_linux_resources((spec.get("linux") or {}).get("resources") or {})
 
 
-def planning_error(exc: Exception) -> TtrpcError:
-    """A planning error as the status code it means; a value the model could not read
-    is the request's fault."""
-    answer = errors.to_ttrpc(exc)
-    if answer.code is Code.UNKNOWN:
-        return TtrpcError(Code.INVALID_ARGUMENT, answer.message)
-    return answer
-
-
-def planned(compute):
-    """Run a planning step; its errors as the status codes they mean."""
+def planned(compute: Callable[[], T]) -> T:
+    """Run a planning step. A value the model could not read (ValueError, TypeError) is
+    the request's fault: it is raised as a PlanError, with its message; the model's own
+    errors (PlanError, NoFit, StaticSizeExceeded) as they are."""
     try:
         return compute()
-    except (PlanError, ValueError, TypeError) as exc:
-        raise planning_error(exc) from None
+    except PlanError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise PlanError(str(exc)) from None

@@ -1,5 +1,7 @@
-"""One pod's VM and what the host holds for it: the shared directory with every
-container's rootfs and files, the QEMU process, the agent connection.
+"""One pod's running VM and what the host holds for it: QEMU through the hypervisor
+interface (shim/vm/hypervisor.py), the guest agent, the sandbox cgroup, the shared
+directory with every container's rootfs and files, the taps. The Pod (shim/pod/pod.py)
+owns one Machine per boot and calls it; nothing else reaches into it.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -12,36 +14,33 @@ import os
 import time
 from typing import TYPE_CHECKING, Awaitable, TypeVar
 
-from podvm_core.cpulist import format_cpu_list, parse_cpu_list
-
-from . import guestspec
-from ..host import mounts, paths
-from .agent import Agent
-from ..host.cleanup import remove_tree
 from ..config import Config
-from ..cpus import pinning
+from ..host import mounts, paths
 from ..host.cgroup import HostCgroup, layout_for
-from .hypervisor import VM, HypervisorError, RestoreFailed, ThreadRole, VMSpec
-from . import template as templates
-from .qemu import QemuVM
-from .qemu_command import template_mac
+from ..host.cleanup import remove_tree
 from ..host.mounts import Mount
+from ..host.podstate import PodState, VMReport, state_path
+from ..host.processes import start_time
+from ..host.share import Share
 from ..network import remote
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
-from ..host.podstate import PodState, VMReport, state_path
-from ..host.processes import start_time
-from ..resources import Host, PlanDelta, SandboxPlan
-from ..host.share import Share
+from ..resources import PlanDelta, SandboxPlan
+from . import guestspec, hypervisor, resize
+from . import template as templates
+from .agent import Agent
+from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
 
 if TYPE_CHECKING:
+    from podvm_core.pb.agent import agent_pb2 as pb
+
     from ..network.portforward import PortForwarder
 
-log = logging.getLogger("podvm.sandbox")
+log = logging.getLogger("podvm.machine")
 T = TypeVar("T")
 
 
-class Sandbox:
+class Machine:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "") -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
@@ -61,7 +60,7 @@ class Sandbox:
         self.vm: VM | None = None
         self.agent: Agent | None = None
         self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan)
-        """What is persisted in sandbox.json, replaced (and saved) by _record()."""
+        """What is persisted in sandbox.json, replaced (and saved) by record()."""
         self._watch: asyncio.Task | None = None
         self._port_forwarder: "PortForwarder | None" = None
         self.vcpu_pins: list[frozenset[int]] = []
@@ -71,7 +70,32 @@ class Sandbox:
     def pid(self) -> int:
         return self.vm.pid if self.vm else 0
 
-    def _record(self, **changes) -> None:
+    # --- what the Pod asks of its machine ------------------------------------------------
+
+    def ended(self) -> bool:
+        """QEMU has exited, or is exiting (the agent's connection closes as it does)."""
+        return self.vm is not None and (self.vm.dead() or (
+            self.agent is not None and self.agent.lost))
+
+    async def wait(self) -> None:
+        """Until QEMU exits."""
+        assert self.vm is not None
+        await self.vm.wait()
+
+    async def exited(self, grace: float = 0) -> HypervisorError | None:
+        """How QEMU ended (shim/vm/hypervisor.py, VM.exited); None while it runs."""
+        assert self.vm is not None
+        return await self.vm.exited(grace=grace)
+
+    async def size(self) -> tuple[int, int] | None:
+        """vCPUs present and memory in MiB as QEMU reports them now; None before launch."""
+        return await self.vm.size() if self.vm is not None else None
+
+    def metrics(self):
+        """The sandbox cgroup's metrics (an Any)."""
+        return self.cgroup.metrics()
+
+    def record(self, **changes) -> None:
         """The state with `changes`, saved before the caller acts on it."""
         self.state = dataclasses.replace(self.state, **changes)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -79,20 +103,10 @@ class Sandbox:
 
     async def boot(self, network_worker: remote.Worker | None = None) -> None:
         """`network_worker`: the one that bridges the pod's namespace (the caller's to
-        close); None for a pod without one."""
-        q = self.config.qemu
-        os.makedirs(self.vm_dir, mode=0o700, exist_ok=True)
-        self.share.create()
-        # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
-        static = self.config.runtime.static_sandbox_resource_mgmt
-        spec = VMSpec(
-            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.share.export,
-            vcpus=self.plan.vcpus,
-            max_vcpus=self.plan.vcpus if static else self.plan.max_vcpus,
-            memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
-            hypervisor=q, config_source=self.config.source)
-        vm = QemuVM(spec)
-        self._record(qmp_socket=vm.qmp_socket, netns=self.netns)
+        close); None for a pod without one. Nothing is left behind when it fails."""
+        spec = self._spec()
+        vm = hypervisor.create(spec)
+        self.record(qmp_socket=vm.control_socket, netns=self.netns)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
         self.vm = vm
@@ -100,47 +114,70 @@ class Sandbox:
             if self.netns:
                 assert network_worker is not None
                 nics = await self._attach_network(network_worker)
-                self.vm = vm = QemuVM(dataclasses.replace(spec, nics=nics))
+                self.vm = vm = hypervisor.create(dataclasses.replace(spec, nics=nics))
             try:
                 template = await self._launch(vm)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
-            self._record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
-            self.agent = Agent.of_vm(self.vm)
-            if template is not None:  # before anything else is asked of the guest
-                try:
-                    await self.agent.resume_restored(
-                        {template_mac(n.index): n.mac for n in vm.spec.nics},
-                        timeout=q.boot_timeout)
-                except Exception as exc:
-                    if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
-                        template.discard(f"the guest restored from it did not resume: {exc}")
-                    raise
-            # Independent steps, the host's and the guest's, at once (the agent takes
-            # the network before it has answered the ping: one round trip less).
-            network = self.state.network
-            info, *_ = await _together(
-                self.agent.ping(timeout=q.boot_timeout), self._place_threads(),
-                *([self._configure_guest_network(network, q.boot_timeout)]
-                  if network is not None and network.interfaces else []),
-                *([self._forward_ports()] if self.netns else []))
+            info = await self._connect(template, vm)
         except BaseException as exc:
-            # QEMU dying after launch shows up as a broken agent or QMP call: say how
-            # QEMU ended instead, in its own words.
-            gone = await vm.exited(grace=1) if isinstance(exc, Exception) and \
-                not isinstance(exc, HypervisorError) else None
-            log.error("sandbox %s: boot failed (%s); guest console: %s", self.id,
-                      gone or exc, self.console_tail())
-            await self.shutdown()
-            if gone is not None:
-                raise gone from None
+            await self._boot_failed(vm, exc)
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
 
-    async def _launch(self, vm: QemuVM) -> templates.Template | None:
+    def _spec(self) -> VMSpec:
+        """The VM the plan sizes, its directories made."""
+        os.makedirs(self.vm_dir, mode=0o700, exist_ok=True)
+        self.share.create()
+        # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
+        static = self.config.runtime.static_sandbox_resource_mgmt
+        return VMSpec(
+            sandbox_id=self.id, workdir=self.vm_dir, shared_dir=self.share.export,
+            vcpus=self.plan.vcpus,
+            max_vcpus=self.plan.vcpus if static else self.plan.max_vcpus,
+            memory_mib=self.plan.memory_mib, max_memory_mib=self.plan.max_memory_mib,
+            hypervisor=self.config.qemu, config_source=self.config.source)
+
+    async def _connect(self, template: templates.Template | None, vm: VM) -> pb.PingResponse:
+        """The launched VM's agent connected (a restored guest resumed first), then the
+        host's and the guest's independent steps at once; what the guest reports."""
+        assert self.vm is not None
+        timeout = self.config.qemu.boot_timeout
+        self.record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
+        self.agent = Agent.of_vm(self.vm)
+        if template is not None:  # before anything else is asked of the guest
+            try:
+                await self.agent.resume_restored(
+                    {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
+            except Exception as exc:
+                if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
+                    template.discard(f"the guest restored from it did not resume: {exc}")
+                raise
+        # The agent takes the network before it has answered the ping: one round trip less.
+        network = self.state.network
+        info, *_ = await _together(
+            self.agent.ping(timeout=timeout), self._place_threads(),
+            *([self._configure_guest_network(network, timeout)]
+              if network is not None and network.interfaces else []),
+            *([self._forward_ports()] if self.netns else []))
+        return info
+
+    async def _boot_failed(self, vm: VM, exc: BaseException) -> None:
+        """Undo the boot; QEMU dying after launch shows up as a broken agent or QMP call:
+        then how QEMU ended is raised instead, in its own words (else the caller
+        raises `exc`)."""
+        gone = await vm.exited(grace=1) if isinstance(exc, Exception) and \
+            not isinstance(exc, HypervisorError) else None
+        log.error("sandbox %s: boot failed (%s); guest console: %s", self.id,
+                  gone or exc, self.console_tail())
+        await self.shutdown()
+        if gone is not None:
+            raise gone from None
+
+    async def _launch(self, vm: VM) -> templates.Template | None:
         """Start `vm`: restored from its shape's template when there is one (made first
         when no other pod is making it), else booted; the template restored, None when
         booted. self.vm is the VM started (or being started)."""
@@ -157,7 +194,8 @@ class Sandbox:
                     except templates.NotSaved as exc:
                         log.warning("sandbox %s: %s; booting", self.id, exc)
                 if template.exists():
-                    self.vm = restored = QemuVM(dataclasses.replace(vm.spec, template=True))
+                    self.vm = restored = hypervisor.create(
+                        dataclasses.replace(vm.spec, template=True))
                     try:
                         await restored.launch(preexec=preexec, restore_from=template.state)
                         log.info("sandbox %s: VM restored from template %s", self.id,
@@ -191,7 +229,7 @@ class Sandbox:
         """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
         caller's to hand to QEMU and close."""
         network, nics = await worker.attach(self.netns)
-        self._record(network=network, taps=tuple(n.tap for n in nics))
+        self.record(network=network, taps=tuple(n.tap for n in nics))
         for itf in network.interfaces:
             log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,
                      itf.name, itf.mac, itf.mtu, ", ".join(map(str, itf.addresses)) or
@@ -223,91 +261,21 @@ class Sandbox:
             qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
         else:
             qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
-        self._record(vm=VMReport(online_cpus=online_cpus,
+        self.record(vm=VMReport(online_cpus=online_cpus,
                                  memory_total_mib=memory_total_bytes >> 20, at=time.time(),
                                  qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib))
 
     async def resize(self, delta: PlanDelta) -> None:
-        """Carry out one step of the plan. A grow raises the cgroup limits first (new
-        vCPUs have room to run), hot-plugs the vCPUs not already present and the memory,
-        places the new threads and has the guest bring exactly the plan's vCPUs online;
-        a shrink takes vCPUs offline in the guest (they stay plugged, their threads
-        asleep: see QemuVM.add_vcpus), then lowers the limits. A failure puts back the
-        limits and online vCPUs in force before; hot-plugged memory cannot be taken back
-        and is recorded as the VM's."""
-        assert self.vm is not None and self.agent is not None
-        old = self.plan
-        for note in delta.notes:
-            log.info("sandbox %s: %s", self.id, note)
-        added_mib = 0
-        try:
-            if delta.grows:
-                self.cgroup.apply(delta.plan)
-            present, _ = await self.vm.size()
-            if delta.plan.vcpus > present:
-                await self.vm.add_vcpus(delta.plan.vcpus - present)
-                await self.cgroup.place_new(self.vm)
-            if delta.add_memory_mib:
-                await self.vm.add_memory(delta.add_memory_mib)
-                added_mib = delta.add_memory_mib
-            if delta.add_vcpus or delta.remove_vcpus or added_mib:
-                await self._online(delta.plan.vcpus, added_mib)
-            if not delta.grows:
-                self.cgroup.apply(delta.plan)
-        except BaseException as exc:
-            log.error("sandbox %s: resize failed (%s); back to the plan in force", self.id, exc)
-            kept = dataclasses.replace(
-                old, memory_mib=old.memory_mib + added_mib,
-                cgroup_memory_limit=old.cgroup_memory_limit + (added_mib << 20)
-                if old.cgroup_memory_limit > 0 else old.cgroup_memory_limit)
-            try:
-                self.cgroup.apply(kept)
-                await self._online(kept.vcpus, 0)
-            except Exception as undo:
-                log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
-            self.record_plan(kept)
-            await self.pin()
-            raise
-        self.record_plan(delta.plan)
-        await self.pin()
+        """Carry out one step of the plan (shim/vm/resize.py)."""
+        await resize.resize(self, delta)
 
     async def pin(self) -> None:
-        """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1
-        when enable_vcpus_pinning and the online vCPUs and the CPUs are as many, else
-        floating over the set. Done after every change: an affinity set here outlives
-        a later, wider cpuset (Linux keeps the user's mask), so it is always rewritten."""
-        assert self.vm is not None
-        cpuset = parse_cpu_list(self.plan.cpuset) if self.plan.cpuset else \
-            self.cgroup.vcpu_cpus()
-        vcpus = (await self.vm.threads()).get(ThreadRole.VCPU, [])
-        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset,
-                               self.config.runtime.enable_vcpus_pinning)
-        pinning.apply(pins)
-        self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
-        self._record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
-        if pins:
-            log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
-                     ", ".join(f"{i}->{format_cpu_list(p)}"
-                               for i, p in enumerate(self.vcpu_pins)))
-
-    async def _online(self, vcpus: int, added_mib: int) -> None:
-        """Exactly `vcpus` online in the guest, and `added_mib` more memory."""
-        assert self.agent is not None
-        before = (self.state.vm.memory_total_mib if self.state.vm else 0) << 20
-        info = await self.agent.online(
-            cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
-        assert self.vm is not None
-        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
-        if info.online_cpus != vcpus:
-            raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
-                                  f"{vcpus}")
-        if added_mib and info.memory_total_bytes < before + (added_mib << 20):
-            raise HypervisorError(f"the guest onlined {(info.memory_total_bytes - before) >> 20}"
-                                  f" of {added_mib} MiB hot-plugged")
+        """The vCPU threads pinned as the plan says (shim/vm/resize.py)."""
+        await resize.pin(self)
 
     def record_plan(self, plan: SandboxPlan) -> None:
         self.plan = plan
-        self._record(plan=plan)
+        self.record(plan=plan)
 
     def console_tail(self) -> str:
         return self.vm.console_tail() if self.vm else "(no VM)"
@@ -317,7 +285,7 @@ class Sandbox:
         """Mount the container's rootfs on its bundle (as containerd expects) and attach
         it, with its other host files, in the shared directory (shim/host/share.py). All or
         nothing."""
-        self._record(rootfs={**self.state.rootfs,
+        self.record(rootfs={**self.state.rootfs,
                              container_id: os.path.join(bundle, "rootfs")})
         try:
             if rootfs:
@@ -338,7 +306,7 @@ class Sandbox:
         bundle_rootfs = self.state.rootfs.get(container_id)
         if bundle_rootfs:
             mounts.unmount(bundle_rootfs)
-        self._record(rootfs={c: r for c, r in self.state.rootfs.items() if c != container_id})
+        self.record(rootfs={c: r for c, r in self.state.rootfs.items() if c != container_id})
 
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
@@ -361,7 +329,7 @@ class Sandbox:
         if self.state.netns:
             try:
                 await remote.detach(self.state.netns, self.state.taps)
-                self._record(taps=())
+                self.record(taps=())
             except NetworkError as exc:  # the rest still goes; delete tries again
                 log.error("sandbox %s: %s", self.id, exc)
         self.cgroup.destroy()
@@ -369,7 +337,7 @@ class Sandbox:
             self.unshare_container(container_id)
         self.share.destroy()
         remove_tree(self.vm_dir)
-        self._record(qemu_pid=0, qemu_start_time=None)
+        self.record(qemu_pid=0, qemu_start_time=None)
 
 
 async def _together(*steps: Awaitable[T]) -> list[T]:
@@ -383,12 +351,3 @@ async def _together(*steps: Awaitable[T]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-def host() -> Host:
-    """This machine's CPUs and memory, for the plan's limits."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return Host(cpus=os.cpu_count() or 1, memory_mib=int(line.split()[1]) // 1024)
-    raise OSError("no MemTotal in /proc/meminfo")

@@ -1,0 +1,368 @@
+"""The layout docs/design.md describes, checked against the code: which room may import
+which, how large a module and a function may grow, which imports wait for their first use
+(and why), who makes ttrpc errors, and that every path the code and docs cite exists.
+
+Read from the source with `ast`: nothing of the project is imported or run here."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # top: separate processes, with dependencies of their own
+    ("podvmctl",),
+    ("podvm_webhook",),
+    # the shim, from what containerd runs down to the pure model
+    ("shim.contract",),
+    ("shim.api",),
+    ("shim.pod",),
+    ("shim.vm",),
+    ("shim.host", "shim.network", "shim.cpus"),
+    ("shim.resources",),
+    ("shim.config", "shim"),
+    # shared with the guest (podvm_core) and the host's cgroup library
+    ("cgroups",),
+    ("podvm_core",),
+)
+"""Rooms from the top down. A room imports only rooms on its own floor or below."""
+
+GUEST_MAY_IMPORT = ("podvm_core", "guest")
+"""The guest agent and image builder: a separate machine, sharing podvm_core only."""
+
+PRODUCTION = ("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook", "guest")
+MODULE_MAX_LINES = 400
+FUNCTION_MAX_LINES = 60
+
+LAZY_IMPORTS: dict[tuple[str, str], str] = {
+    ("guest/agent/__main__.py",
+     "google.protobuf.internal"):
+        "picks protobuf's backend before its other modules load",
+    ("guest/agent/containers.py",
+     "tempfile"):
+        "a terminal only: the agent boots without it",
+    ("guest/agent/containers.py",
+     "shutil"):
+        "a terminal only: the agent boots without it",
+    ("guest/agent/oom.py",
+     "ctypes"):
+        "the first container's watch, not the guest's boot",
+    ("guest/agent/resources.py",
+     "glob"):
+        "hot-plug only: the agent boots without glob and fnmatch",
+    ("guest/agent/resources.py",
+     "podvm_core.pb.containerd.cgroups.v2.metrics_pb2"):
+        "the first Stats call, not the guest's boot",
+    ("guest/agent/service.py",
+     "guest.agent.resume"):
+        "a guest restored from a template only",
+    ("guest/agent/service.py",
+     "guest.agent.portforward"):
+        "a pod that forwards a port only",
+    ("guest/agent/service.py",
+     "shutil"):
+        "a container's removal, not the guest's boot",
+    ("guest/agent/service.py",
+     "termios"):
+        "a terminal only",
+    ("guest/agent/service.py",
+     "ctypes"):
+        "power-off only",
+    ("podvm_core/ttrpc/__init__.py",
+     "podvm_core.ttrpc.client"):
+        "the client's first use: the agent serves without it",
+    ("podvmctl/cli.py",
+     "podvm_webhook.policy"):
+        "`podvmctl plan` only: config and status load no planner",
+    ("podvmctl/cli.py",
+     "podvmctl.plan"):
+        "`podvmctl plan` only",
+    ("podvmctl/plan.py",
+     "yaml"):
+        "a YAML manifest only",
+    ("shim/api/events.py",
+     "podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2"):
+        "the first event, off the daemon's start",
+    ("shim/api/task/deferred.py",
+     "shim.api.task.service"):
+        "the first Task call past Connect: a quarter of the daemon's start",
+    ("shim/api/task/service.py",
+     "shim.pod.pod"):
+        "the VM machinery, with a pod's first Create",
+    ("shim/api/task/service.py",
+     "shim.api.task.request"):
+        "with the pod, at a pod's first Create",
+    ("shim/config.py",
+     "tomllib"):
+        "a Create, not the idle daemon",
+    ("shim/contract/cli.py",
+     "shim.contract.info"):
+        "`-info` only",
+    ("shim/contract/cli.py",
+     "shim.contract.manager"):
+        "imported with the collector off (`start`'s time)",
+    ("shim/contract/cli.py",
+     "shim.host.mountns"):
+        "`start` only",
+    ("shim/contract/cli.py",
+     "shim.contract.daemon"):
+        "the daemon only: `start` and `delete` need none of it",
+    ("shim/contract/cli.py",
+     "importlib.util"):
+        "the daemon only",
+    ("shim/contract/daemon.py",
+     "shim.host.cleanup"):
+        "the daemon's exit: psutil and cgroups would grow every idle daemon",
+    ("shim/contract/daemon.py",
+     "shim.network.remote"):
+        "a pod with a network only",
+    ("shim/contract/daemon.py",
+     "shim.pod.hostns"):
+        "a pod with a network only",
+    ("shim/contract/daemon.py",
+     "podvm_core.pb.containerd.runtime.sandbox.v1.sandbox_pb2"):
+        "the first Sandbox API call: containerd 2.x's shim sandboxer only",
+    ("shim/contract/daemon.py",
+     "shim.api.sandbox.service"):
+        "the first Sandbox API call",
+    ("shim/contract/info.py",
+     "podvm_core.pb.containerd.types.introspection_pb2"):
+        "`-info` only",
+    ("shim/contract/manager.py",
+     "shim.host.mountns"):
+        "a `start` that forks a daemon only (ctypes)",
+    ("shim/contract/manager.py",
+     "podvm_core.pb.containerd.task.v2.shim_pb2"):
+        "`delete` only: `start` imports this module",
+    ("shim/contract/manager.py",
+     "shim.host.cleanup"):
+        "`delete` only",
+    ("shim/host/cgroup.py",
+     "podvm_core.pb.containerd.cgroups.v2.metrics_pb2"):
+        "the first metrics call on a v2 host",
+    ("shim/host/cgroup.py",
+     "podvm_core.pb.containerd.cgroups.v1.metrics_pb2"):
+        "the first metrics call on a v1 host",
+    ("shim/host/libc.py",
+     "ctypes"):
+        "the first call, not every module that names libc()",
+    ("shim/host/mounts.py",
+     "shim.host.mountns"):
+        "a bind from the pod's namespace only: the idle daemon has no use for it",
+    ("shim/network/remote.py",
+     "shim.host.podstate"):
+        "the worker starts before the daemon loads the pod's model",
+    ("shim/vm/hypervisor.py",
+     "shim.vm.qemu"):
+        "the first VM: the QMP client is not loaded by every module naming the interface",
+    ("shim/vm/machine.py",
+     "shim.network.portforward"):
+        "a pod with a network only",
+    ("shim/vm/stdio.py",
+     "podvm_core.pb.agent.agent_pb2"):
+        "a pod's first Create, not the idle daemon",
+    ("shim/vm/stdio.py",
+     "threading"):
+        "stdin only: the one thread a shim starts",
+}
+"""Every import made inside a function, (file, module) -> why it waits: each one is
+start-up time or memory an idle daemon, `start` or `delete` would otherwise pay. The code
+says why too, in a comment on the import or the line above it."""
+
+TTRPC_ERROR_MAKERS = (
+    "shim/api/",  # the adapters: the only code that answers containerd
+    "shim/vm/agent.py",  # a ttrpc client: the guest's answers are ttrpc errors already
+    "podvm_core/",  # ttrpc itself
+    "guest/",  # the agent's own ttrpc service
+)
+"""Where `TtrpcError(...)` may be made. Everywhere else raises a typed error, which
+shim/api/errors.py turns into a code."""
+
+
+def _sources(*tops: str) -> list[pathlib.Path]:
+    files = []
+    for top in tops:
+        base = ROOT / top
+        files += [p for p in base.rglob("*.py") if "pb" not in p.relative_to(ROOT).parts
+                  and "__pycache__" not in p.parts]
+    return sorted(files)
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
+    """(line, module imported, inside a function) for each of the file's imports,
+    relative ones resolved; `from X import name` counts X.name when that is a module."""
+    tree = ast.parse(path.read_text(), str(path))
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[:len(base) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                for alias in child.names:
+                    sub = f"{target}.{alias.name}"
+                    is_module = (ROOT / (sub.replace(".", "/") + ".py")).exists() or \
+                        (ROOT / sub.replace(".", "/") / "__init__.py").exists()
+                    found.append((child.lineno, sub if is_module else target, in_function))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _floor(module: str) -> int | None:
+    best, floor = "", None
+    for index, rooms in enumerate(FLOORS):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and len(room) > len(best):
+                best, floor = room, index
+    return floor
+
+
+def test_no_room_imports_one_above_it():
+    wrong = []
+    for path in _sources("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook"):
+        own = _floor(_module(path))
+        assert own is not None, f"{path.relative_to(ROOT)} is in no room of FLOORS"
+        for line, target, _ in _imports(path):
+            floor = _floor(target)
+            if floor is not None and floor < own:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} "
+                             f"({' '.join(FLOORS[floor])} is above {' '.join(FLOORS[own])})")
+    assert not wrong, "imports against the floors:\n" + "\n".join(wrong)
+
+
+def test_the_guest_shares_only_podvm_core():
+    wrong = []
+    for path in _sources("guest"):
+        for line, target, _ in _imports(path):
+            top = target.split(".")[0]
+            if _floor(target) is not None and top not in GUEST_MAY_IMPORT:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_floors_name_real_rooms():
+    for rooms in FLOORS:
+        for room in rooms:
+            path = ROOT / room.replace(".", "/")
+            assert path.is_dir() or path.with_suffix(".py").is_file(), room
+
+
+def test_module_sizes():
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in _sources(*PRODUCTION)
+           if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES]
+    assert not big, f"modules over {MODULE_MAX_LINES} lines:\n" + "\n".join(big)
+
+
+def test_function_sizes():
+    long = []
+    for path in _sources(*PRODUCTION):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > FUNCTION_MAX_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                                f"{size} lines")
+    assert not long, f"functions over {FUNCTION_MAX_LINES} lines:\n" + "\n".join(long)
+
+
+def test_function_local_imports_are_the_listed_ones_with_their_reason():
+    found = {}
+    for path in _sources(*PRODUCTION):
+        lines = path.read_text().splitlines()
+        for line, target, in_function in _imports(path):
+            if not in_function:
+                continue
+            key = (str(path.relative_to(ROOT)), target)
+            found[key] = line
+            said = lines[line - 1] + (lines[line - 2] if line > 1 else "")
+            assert "#" in said, f"{key[0]}:{line}: the import of {target} says not why it " \
+                                f"waits (a comment on it or the line above)"
+    unlisted = sorted(set(found) - set(LAZY_IMPORTS))
+    gone = sorted(set(LAZY_IMPORTS) - set(found))
+    assert not unlisted, "function-local imports not in LAZY_IMPORTS:\n" + \
+        "\n".join(f"{f}:{found[(f, m)]} {m}" for f, m in unlisted)
+    assert not gone, f"LAZY_IMPORTS lists imports the code no longer makes: {gone}"
+    assert all(reason.strip() for reason in LAZY_IMPORTS.values())
+
+
+def test_only_the_api_makes_ttrpc_errors():
+    wrong = []
+    for path in _sources("shim", "podvmctl", "podvm_webhook"):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith(TTRPC_ERROR_MAKERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "TtrpcError":
+                wrong.append(f"{rel}:{node.lineno}")
+    assert not wrong, "TtrpcError made outside shim/api (raise a typed error):\n" + \
+        "\n".join(wrong)
+
+
+CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|guest|"
+                   r"tests|bench|docs|packaging|protos|\.ci)/[\w./-]*[\w/]|[\w-]+\.md)\b")
+
+
+def _cited(text: str) -> set[str]:
+    return {m.group(1).rstrip("/.") for m in CITED.finditer(text)}
+
+
+def _texts() -> list[tuple[str, str]]:
+    """(where, text) of every docstring and comment of the code, and of the docs."""
+    out = []
+    for path in _sources(*PRODUCTION, "tests", "bench"):
+        source = path.read_text()
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, str):
+                out.append((f"{rel}:{node.lineno}", node.value.value))
+        for number, line in enumerate(source.splitlines(), 1):
+            if "#" in line:
+                out.append((f"{rel}:{number}", line[line.index("#"):]))
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        out.append((str(doc.relative_to(ROOT)), doc.read_text()))
+    return out
+
+
+def test_every_cited_path_exists():
+    missing = []
+    for where, text in _texts():
+        for path in _cited(text):
+            if "*" in path or "<" in path:
+                continue
+            if not (ROOT / path).exists():
+                missing.append(f"{where}: {path}")
+    assert not missing, "cited paths that do not exist (a .md from the repository root):\n" \
+        + "\n".join(sorted(set(missing)))
+
+
+@pytest.mark.parametrize("text, cited", [
+    ("see design.md section 3", {"design.md"}),
+    ("(shim/vm/qemu.py)", {"shim/vm/qemu.py"}),
+    ("under shim/pod/, and docs/design.md.", {"shim/pod", "docs/design.md"}),
+    ("/run/podvm/shim.json, k8s.io/foo", set()),
+])
+def test_the_citation_reader_sees_paths(text, cited):
+    assert _cited(text) == cited
