@@ -60,15 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(policy: Policy, cert: ReloadingCertificate, metrics: Metrics,
                args: argparse.Namespace) -> int:
-    task = asyncio.ensure_future(serve(policy, cert, metrics, args.address, args.port,
-                                       args.reload_interval))
+    """A signal sets `stop` rather than cancelling the server: its shutdown (bounded by
+    server.SHUTDOWN_GRACE) then runs in a task that is not being cancelled."""
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await task
-    except asyncio.CancelledError:
-        return 0
+        await serve(policy, cert, metrics, args.address, args.port, args.reload_interval,
+                    stop)
     except OSError as exc:
         print(f"podvm-webhook: cannot listen on {args.address}:{args.port}: {exc}",
               file=sys.stderr)

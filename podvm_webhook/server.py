@@ -20,6 +20,11 @@ log = logging.getLogger("podvm.webhook")
 MAX_BODY = 3 << 20
 """A Pod is at most ~1.5 MiB (etcd's object limit); its review adds little more."""
 POLICY, METRICS = web.AppKey("policy", Policy), web.AppKey("metrics", Metrics)
+STOPPING = web.AppKey("stopping", asyncio.Event)
+SHUTDOWN_GRACE = 1.0
+"""Seconds a request in flight gets after SIGTERM: an answer takes milliseconds, so only a
+stalled client (a body half sent, a reader that does not read) is still there by then;
+aiohttp waits at most twice this (before and after cancelling the handler)."""
 
 
 def make_app(policy: Policy, metrics: Metrics) -> web.Application:
@@ -28,7 +33,7 @@ def make_app(policy: Policy, metrics: Metrics) -> web.Application:
     app.router.add_post("/mutate", _mutate)
     app.router.add_post("/validate", _validate)
     app.router.add_get("/healthz", _ok)
-    app.router.add_get("/readyz", _ok)
+    app.router.add_get("/readyz", _ready)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -91,22 +96,39 @@ async def _ok(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
+async def _ready(request: web.Request) -> web.Response:
+    stopping = request.app.get(STOPPING)
+    if stopping is not None and stopping.is_set():
+        return web.Response(status=503, text="stopping\n")
+    return web.Response(text="ok\n")
+
+
 async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render().encode(),
                         headers={"Content-Type": CONTENT_TYPE})
 
 
 async def serve(policy: Policy, cert: ReloadingCertificate, metrics: Metrics, host: str,
-                port: int, reload_interval: float, ready: asyncio.Event | None = None) -> None:
-    """Serve until cancelled."""
-    runner = web.AppRunner(make_app(policy, metrics), access_log=None)
+                port: int, reload_interval: float, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set (SIGTERM), then close the listening socket at once (new
+    connections are refused: not ready), close the idle keep-alive connections the API
+    server holds, give requests in flight SHUTDOWN_GRACE, and cut off what is left, so
+    that the process exits within seconds whatever its clients hold open."""
+    app = make_app(policy, metrics)
+    app[STOPPING] = stop
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
+    watch = asyncio.ensure_future(cert.watch(reload_interval))
     try:
         site = web.TCPSite(runner, host, port, ssl_context=cert.listening, backlog=1024)
         await site.start()
         log.info("serving", extra={"fields": {"address": f"{host}:{port}"}})
-        if ready is not None:
-            ready.set()
-        await cert.watch(reload_interval)
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((watch, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if watch.done():
+            watch.result()  # the watcher failed: its error ends the server
+        log.info("stopping", extra={"fields": {"grace": SHUTDOWN_GRACE}})
     finally:
+        watch.cancel()
         await runner.cleanup()
