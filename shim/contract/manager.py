@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     """`serve(flags, sock)`: what the forked daemon runs (the CLI passes it in, so that
     this module never imports the daemon's side)."""
     bundle = flags.bundle_dir
+    _keep_runtime_options(bundle)
     group = paths.group_id(paths.read_spec(bundle), flags.id)
     address = paths.socket_address(flags.address, flags.namespace, group)
     sock = _bind(paths.socket_path(address))
@@ -42,6 +45,44 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     _write_address(bundle, address)
     sys.stdout.write(address)
     return 0
+
+
+RUNTIME_OPTIONS_FILE = "runtime-options.pb"
+"""In the bundle: the runtime options `start` got, as containerd marshalled them (a
+protobuf Any). CreateSandbox reads them (shim/api/options.py, saved_options)."""
+STDIN_WAIT = 0.2
+"""Seconds `start` waits for stdin to have data or end; containerd's is written and
+closed at once, so only a stdin that is not containerd's waits this long."""
+
+
+def _keep_runtime_options(bundle: str) -> None:
+    """containerd writes the runtime's options (runtimeoptions.v1.Options in an Any, with
+    the ConfigPath) to `start`'s stdin, bare before 2.3, inside its BootstrapParams from
+    2.3: the Sandbox API gets them nowhere else (the Task API with each Create). Kept
+    unparsed in the bundle, as runc's shim keeps its own (options.json): decoding needs
+    protobuf, which `start` does not load."""
+    data = _read_stdin()
+    if data:
+        write_atomic(os.path.join(bundle, RUNTIME_OPTIONS_FILE), data)
+
+
+def _read_stdin() -> bytes:
+    """All of stdin when it is a pipe or a file (what containerd gives); nothing from a
+    terminal or /dev/null, and no waiting on a pipe that no one writes nor closes."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return b""
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return b""
+    chunks = []
+    deadline = time.monotonic() + STDIN_WAIT
+    while select.select([0], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _bind(path: str) -> socket.socket | None:

@@ -35,14 +35,18 @@ def make_bundle(root: pathlib.Path, container_id: str, sandbox_id: str | None = 
 
 def run_shim(bundle: pathlib.Path, container_id: str, action: str, grpc_address: str,
              namespace: str = NS, timeout: float = 10,
-             env: dict | None = None) -> subprocess.CompletedProcess:
+             env: dict | None = None,
+             stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """`stdin`: what containerd writes to `start`'s stdin (the runtime options, a marshalled
+    Any) and then closes; None: /dev/null, as containerd gives it when there are none."""
     argv = [SHIM, "-namespace", namespace, "-address", grpc_address,
             "-publish-binary", "/usr/bin/containerd", "-id", container_id]
     if action:
         argv.append(action)
     return subprocess.run(argv, cwd=bundle, capture_output=True, timeout=timeout,
                           env=env if env is not None else dict(os.environ),
-                          stdin=subprocess.DEVNULL)
+                          **({"stdin": subprocess.DEVNULL} if stdin is None
+                             else {"input": stdin}))
 
 
 def daemon_pid(namespace: str, group: str) -> int:

@@ -22,7 +22,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # The daemon loads this module at the first Sandbox API call (shim/contract/daemon.py), so the
 # pod's machinery is imported here at the top: a sandbox is about to need it.
-from ..options import load_config
+from ..options import load_config, saved_options
 from ...pod.pod import Pod
 from ...pod.slot import VM_GONE_STATUS, PodSlot
 from ...network import remote
@@ -105,7 +105,7 @@ class SandboxService:
         if self.slot.pod is not None:
             raise TtrpcError(Code.ALREADY_EXISTS, f"this shim already serves the pod "
                                                   f"{self.slot.pod.id!r}")
-        cfg = load_config()
+        cfg = load_config(saved_options(req.bundle_path))
         pod_config = _pod_config(req.options) or cri.PodSandboxConfig()
         pod = Pod.create(pod_request(self.namespace, req.sandbox_id, pod_config,
                                      {**pod_config.annotations, **req.annotations},

@@ -80,9 +80,12 @@ class Pod:
 
 
 @contextlib.asynccontextmanager
-async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ...] = ()):
+async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ...] = (),
+                       runtime_options: bytes | None = None, env_config: bool = True):
     """The shim as containerd 2.x starts it for a sandbox; afterwards `delete` (as
-    containerd runs it for a gone shim) and kubelet's pod cgroup removed."""
+    containerd runs it for a gone shim) and kubelet's pod cgroup removed.
+    `runtime_options`: what containerd writes to `start`'s stdin (a marshalled Any);
+    `env_config`: False starts it without $PODVM_CONFIG naming the test configuration."""
     require_root()
     sandbox_id = f"sbapi-{uuid.uuid4().hex[:8]}"
     grpc = str(tmp_path / "containerd.sock")
@@ -99,8 +102,11 @@ async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ..
             + ", ".join(f'"{a}"' for a in enable_annotations) + "]\n", 1)
         config.write_text(text)
     env = dict(os.environ, PODVM_CONFIG=str(config), TTRPC_ADDRESS=grpc + ".ttrpc")
+    if not env_config:
+        del env["PODVM_CONFIG"]
     assert not (bundle / "config.json").exists()
-    started = run_shim(bundle, sandbox_id, "start", grpc, namespace=NS, env=env)
+    started = run_shim(bundle, sandbox_id, "start", grpc, namespace=NS, env=env,
+                       stdin=runtime_options)
     assert started.returncode == 0, started.stderr
     address = started.stdout.decode()
     parent = f"/podvm-sbapi-{uuid.uuid4().hex[:8]}"
