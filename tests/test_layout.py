@@ -156,9 +156,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/network/remote.py",
      "shim.host.podstate"):
         "the worker starts before the daemon loads the pod's model",
-    ("shim/vm/hypervisor.py",
-     "shim.vm.qemu"):
-        "the first VM: the QMP client is not loaded by every module naming the interface",
     ("shim/vm/machine.py",
      "shim.network.portforward"):
         "a pod with a network only",

@@ -1,7 +1,8 @@
 """What the shim needs from a VMM: boot a sized VM (or restore a template's saved one),
 say which host thread does what, grow it, save it, stop it, notice when it dies. The way
-in for every caller: `create()` makes the VM a spec describes (QEMU's, shim/vm/qemu.py,
-the one implementation today). Policy (sizes, placement) is decided elsewhere."""
+in for every caller: shim/vm/vmm.py's `create()` makes the VM a spec describes (QEMU's,
+shim/vm/qemu.py, the one implementation today); this module names no implementation.
+Policy (sizes, placement) is decided elsewhere."""
 from __future__ import annotations
 
 import abc
@@ -159,12 +160,3 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def add_memory(self, mib: int) -> int:
         """Hot-plug `mib` MiB of memory (never taken back); MiB added."""
-
-
-def create(spec: VMSpec) -> VM:
-    """The VM `spec` describes, not started yet."""
-    # Here, not at the top: qemu.py builds on this module, and its QMP client loads with
-    # the first VM, not with every module that names the interface.
-    from .qemu import QemuVM
-
-    return QemuVM(spec)

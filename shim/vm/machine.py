@@ -26,7 +26,7 @@ from ..network import remote
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import PlanDelta, SandboxPlan
-from . import guestspec, hypervisor, resize
+from . import guestspec, resize, vmm
 from . import template as templates
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
@@ -105,7 +105,7 @@ class Machine:
         """`network_worker`: the one that bridges the pod's namespace (the caller's to
         close); None for a pod without one. Nothing is left behind when it fails."""
         spec = self._spec()
-        vm = hypervisor.create(spec)
+        vm = vmm.create(spec)
         self.record(qmp_socket=vm.control_socket, netns=self.netns)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
@@ -114,7 +114,7 @@ class Machine:
             if self.netns:
                 assert network_worker is not None
                 nics = await self._attach_network(network_worker)
-                self.vm = vm = hypervisor.create(dataclasses.replace(spec, nics=nics))
+                self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
             try:
                 template = await self._launch(vm)
             finally:
@@ -194,7 +194,7 @@ class Machine:
                     except templates.NotSaved as exc:
                         log.warning("sandbox %s: %s; booting", self.id, exc)
                 if template.exists():
-                    self.vm = restored = hypervisor.create(
+                    self.vm = restored = vmm.create(
                         dataclasses.replace(vm.spec, template=True))
                     try:
                         await restored.launch(preexec=preexec, restore_from=template.state)

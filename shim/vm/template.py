@@ -37,7 +37,7 @@ from typing import Callable
 
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
-from . import hypervisor
+from . import vmm
 from .hypervisor import HypervisorError, VMSpec
 
 log = logging.getLogger("podvm.template")
@@ -89,7 +89,7 @@ class Template:
         pod would fail the same way); NotSaved when it booted but could not be saved."""
         started = time.monotonic()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        vm = hypervisor.create(template_spec(spec))
+        vm = vmm.create(template_spec(spec))
         tmp = f"{self.state}.{os.getpid()}.tmp"
         try:
             await vm.launch(preexec=preexec)
@@ -152,7 +152,7 @@ def of(spec: VMSpec) -> Template:
                                     shared_dir="/")
     digest = hashlib.sha256(json.dumps({
         "format": FORMAT, "inputs": inputs,
-        "command": hypervisor.create(canonical).command()}, sort_keys=True).encode())
+        "command": vmm.create(canonical).command()}, sort_keys=True).encode())
     return Template(q.template_path, digest.hexdigest()[:32], inputs)
 
 

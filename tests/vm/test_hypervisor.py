@@ -1,4 +1,4 @@
-"""The hypervisor interface is the way in: `create()` makes the VM a spec describes (QEMU's
+"""The hypervisor interface is the way in: `vmm.create()` makes the VM a spec describes (QEMU's
 today), and a template's NICs are named by the interface, the same in the VMM's command
 line as in what the guest is told at Resume. Nothing is booted here."""
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from shim.network.model import PlaceholderNic
-from shim.vm import hypervisor, qemu_command
+from shim.vm import qemu_command, vmm
 from shim.vm.hypervisor import VM, template_mac
 from tests.vm.test_qemu import spec
 
 
 def test_create_makes_the_vm_the_spec_describes(tmp_path) -> None:
     s = spec(tmp_path)
-    vm = hypervisor.create(s)
+    vm = vmm.create(s)
     assert isinstance(vm, VM) and vm.spec is s
     assert vm.command() == qemu_command.command(s)
     assert vm.control_socket in " ".join(vm.command())
@@ -23,6 +23,6 @@ def test_create_makes_the_vm_the_spec_describes(tmp_path) -> None:
 def test_a_template_s_nics_have_the_interface_s_macs(tmp_path) -> None:
     s = dataclasses.replace(spec(tmp_path), template=True,
                             nics=(PlaceholderNic(0, 1500), PlaceholderNic(1, 1500)))
-    line = " ".join(hypervisor.create(s).command())
+    line = " ".join(vmm.create(s).command())
     assert template_mac(0) in line and template_mac(1) in line
     assert template_mac(0) != template_mac(1)
