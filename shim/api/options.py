@@ -15,11 +15,9 @@ from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from podvm_core.ttrpc import Code, TtrpcError
 
 from .. import config
+from ..host import paths
 
 RUNTIME_OPTIONS = "runtimeoptions.v1.Options"
-SAVED_OPTIONS = "runtime-options.pb"
-"""The file in the bundle where `start` keeps what containerd wrote to its stdin
-(RUNTIME_OPTIONS_FILE in shim/contract/manager.py, which cannot import this module)."""
 _BOOTSTRAP_EXTENSIONS = 8
 _LENGTH_DELIMITED = 2
 
@@ -45,7 +43,7 @@ def saved_options(bundle: str) -> Any | None:
     error here, where the Task API ignores it: these options exist only for podvm."""
     if not bundle:
         return None
-    path = os.path.join(bundle, SAVED_OPTIONS)
+    path = os.path.join(bundle, paths.RUNTIME_OPTIONS_FILE)
     try:
         with open(path, "rb") as f:
             data = f.read()

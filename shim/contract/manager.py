@@ -47,9 +47,6 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     return 0
 
 
-RUNTIME_OPTIONS_FILE = "runtime-options.pb"
-"""In the bundle: the runtime options `start` got, as containerd marshalled them (a
-protobuf Any). CreateSandbox reads them (shim/api/options.py, saved_options)."""
 STDIN_WAIT = 0.2
 """Seconds `start` waits for stdin to have data or end; containerd's is written and
 closed at once, so only a stdin that is not containerd's waits this long."""
@@ -63,7 +60,7 @@ def _keep_runtime_options(bundle: str) -> None:
     protobuf, which `start` does not load."""
     data = _read_stdin()
     if data:
-        write_atomic(os.path.join(bundle, RUNTIME_OPTIONS_FILE), data)
+        write_atomic(os.path.join(bundle, paths.RUNTIME_OPTIONS_FILE), data)
 
 
 def _read_stdin() -> bytes:

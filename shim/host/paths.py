@@ -20,6 +20,9 @@ except ImportError:
 SOCKET_DIR = "/run/containerd/s"
 STATE_ROOT = "/run/podvm"
 SANDBOX_ID_ANNOTATION = "io.kubernetes.cri.sandbox-id"
+RUNTIME_OPTIONS_FILE = "runtime-options.pb"
+"""In the bundle: the runtime options `start` got on its stdin, as containerd marshalled
+them, for CreateSandbox (shim/contract/manager.py writes it, shim/api/options.py reads it)."""
 
 
 def read_spec(bundle: str) -> dict | None:

@@ -9,8 +9,7 @@ import subprocess
 import sys
 import time
 
-from shim.api.options import SAVED_OPTIONS
-from shim.contract.manager import RUNTIME_OPTIONS_FILE
+from shim.host.paths import RUNTIME_OPTIONS_FILE
 
 _KEEP = "import sys; from shim.contract.manager import _keep_runtime_options as k; k(sys.argv[1])"
 
@@ -42,7 +41,3 @@ def test_a_pipe_no_one_closes_does_not_hold_start(tmp_path) -> None:
         os.close(read)
         os.close(write)
     assert not (tmp_path / RUNTIME_OPTIONS_FILE).exists()
-
-
-def test_start_and_the_sandbox_api_name_the_same_file() -> None:
-    assert RUNTIME_OPTIONS_FILE == SAVED_OPTIONS

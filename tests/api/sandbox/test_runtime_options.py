@@ -15,7 +15,8 @@ from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.runtimeoptions.v1.api_pb2 import Options
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
-from shim.api.options import RUNTIME_OPTIONS, SAVED_OPTIONS, load_config, saved_options
+from shim.api.options import RUNTIME_OPTIONS, load_config, saved_options
+from shim.host.paths import RUNTIME_OPTIONS_FILE
 from tests.vmconfig import write_test_config
 
 from tests.api.sandbox.harness import MIB, sandbox_shim
@@ -69,13 +70,13 @@ def test_no_kept_options_is_the_default_configuration(tmp_path) -> None:
 def test_kept_options_name_the_configuration(tmp_path, containerd) -> None:
     config = write_test_config(tmp_path / "private.toml", default_memory=320)
     options = runtime_options(str(config))
-    (tmp_path / SAVED_OPTIONS).write_bytes(
+    (tmp_path / RUNTIME_OPTIONS_FILE).write_bytes(
         options if containerd == "2.2" else bootstrap(not_podvms(), options))
     assert load_config(saved_options(str(tmp_path))).qemu.default_memory == 320
 
 
 def test_bootstrap_params_without_options_is_the_default_configuration(tmp_path) -> None:
-    (tmp_path / SAVED_OPTIONS).write_bytes(bootstrap(not_podvms()))
+    (tmp_path / RUNTIME_OPTIONS_FILE).write_bytes(bootstrap(not_podvms()))
     assert saved_options(str(tmp_path)) is None
 
 
@@ -84,11 +85,11 @@ def test_bootstrap_params_without_options_is_the_default_configuration(tmp_path)
                                         (Any(type_url=f"x/{RUNTIME_OPTIONS}", value=b"\xff"
                                              ).SerializeToString(), RUNTIME_OPTIONS)])
 def test_bad_kept_options_are_refused_by_name(tmp_path, data, said) -> None:
-    (tmp_path / SAVED_OPTIONS).write_bytes(data)
+    (tmp_path / RUNTIME_OPTIONS_FILE).write_bytes(data)
     with pytest.raises(TtrpcError) as err:
         saved_options(str(tmp_path))
     assert err.value.code == Code.INVALID_ARGUMENT
-    assert said in err.value.message and str(tmp_path / SAVED_OPTIONS) in err.value.message
+    assert said in err.value.message and str(tmp_path / RUNTIME_OPTIONS_FILE) in err.value.message
 
 
 # --- over ttrpc, `start` given them as containerd gives them --------------------------------
@@ -104,7 +105,7 @@ async def test_the_options_config_path_wins_over_podvm_config(tmp_path, containe
     options = runtime_options(str(private))
     async with sandbox_shim(tmp_path, runtime_options=options if containerd == "2.2"
                             else bootstrap(options)) as pod:
-        assert (pod.bundle / SAVED_OPTIONS).exists()
+        assert (pod.bundle / RUNTIME_OPTIONS_FILE).exists()
         with pytest.raises(TtrpcError) as err:
             await pod.create(pod.config(memory=64 * MIB))
             await pod.call("StartSandbox", sb.StartSandboxRequest(sandbox_id=pod.id),
