@@ -13,7 +13,7 @@ GUEST_BUILD := build/guest
 # erofs-utils: the guest's root image is built where podvm is installed.
 # iptables: the nat rule that brings CRI PortForward into the VM (shim/network/portforward.py).
 RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils iptables
-TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2
+TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2 gcc libc6-dev
 
 STAMP := $(VENV)/.podvm-installed
 SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)
@@ -108,6 +108,7 @@ bench: guest
 	$(VENV)/bin/python bench/reservation_vms.py --json build/reservation_vms.json
 	$(VENV)/bin/python bench/plot_reservation.py build/reservation_vms.json build/reservation_vms.png
 	$(VENV)/bin/python bench/net_bench.py
+	$(VENV)/bin/python bench/fs_bench.py
 	$(VENV)/bin/python bench/webhook_bench.py
 
 demo: guest

@@ -10,9 +10,10 @@ import pathlib
 # through module_paths; crc32c_generic is libcrc32c's soft dependency, which .modinfo
 # names by alias only).
 ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs"]
-# What the root's /init loads from the image: virtio_net for the pod's interfaces,
+# What the root's /init loads from the image: virtiofs (or 9p) for the pod's share
+# (shim/config.py's shared_fs), virtio_net for the pod's interfaces,
 # virtio_balloon to hand the pages the guest frees back to the host.
-MODULES = ["virtio_console", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
+MODULES = ["virtio_console", "virtiofs", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
 # Loaded on demand, as on a node: what a privileged container (or one with NET_ADMIN or
 # SYS_ADMIN) can use under runc and would miss in the guest: bridges, netfilter (nft and
 # iptables), tun, overlay, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under

@@ -42,9 +42,12 @@ def find(sandbox_id: str, namespace: str = "") -> str:
 
 
 def thread_role(pid: int, tid: int, name: str, shim_pid: int) -> str:
-    """From QEMU's thread names (it runs with debug-threads=on)."""
+    """From QEMU's thread names (it runs with debug-threads=on), and the pod's virtiofsd
+    (shim/vm/virtiofsd.py), whose threads all bear its name."""
     if pid == shim_pid:
         return "shim"
+    if name.startswith("virtiofsd"):
+        return "files"
     if name.startswith("CPU "):
         return "vcpu"
     if name.startswith("IO "):

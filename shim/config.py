@@ -57,6 +57,14 @@ class HypervisorConfig:
     enable_jail: bool = True
     """QEMU in its own mount namespace with only the pod's files, its capabilities cut
     (shim/vm/jail.py); false only to debug: weaker isolation."""
+    shared_fs: str = "virtio-fs"
+    """Kata's key: how the containers' files reach the guest. "virtio-fs" (a virtiofsd
+    per pod, shim/vm/virtiofsd.py) keeps POSIX semantics; "virtio-9p" is the fallback
+    (QEMU's own 9p server), without locks, sockets, FIFOs or O_TMPFILE on shared files."""
+    virtio_fs_daemon: str = "/usr/lib/qemu/virtiofsd"
+    """Kata's key: the virtiofsd binary (QEMU 7.2's, from qemu-system-common)."""
+    virtio_fs_cache: str = "auto"
+    """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
 
     @property
     def vmm_overhead_mib(self) -> int:
@@ -101,13 +109,15 @@ MEASURED_OVERHEAD_MIB = {"tcg": 192, "kvm": 192}
 # section in the file -> attribute of Config
 _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
 _ACCELS = ("kvm", "tcg")
+SHARED_FS = ("virtio-fs", "virtio-9p")
+_FS_CACHES = ("auto", "always", "none")
 CONSOLE_LOG_MAX_KIB = 16384  # per pod, in /run (memory): more is no log but a leak
 _SIZINGS = ("sum", "max")
 _RESERVATIONS = ("shares", "exclusive")
 # Kernel parameters podvm sets itself or relies on (dashes read as underscores, as the
 # kernel reads them): kernel_params may not carry them.
 _OWN_KERNEL_PARAMS = ("console", "panic", "reboot", "maxcpus", "nr_cpus", "possible_cpus",
-                      "init", "rdinit", "root", "podvm_template")
+                      "init", "rdinit", "root", "podvm_template", "podvm_share")
 
 
 def find(options_config_path: str = "") -> str | None:
@@ -229,6 +239,12 @@ def _check(config: Config, source: str) -> None:
     if q.enable_template and not os.path.isabs(q.template_path):
         raise ConfigError(f"{where} template_path must be an absolute path, got "
                           f"{q.template_path!r}")
+    if q.shared_fs not in SHARED_FS:
+        raise ConfigError(f"{where} shared_fs must be one of {', '.join(SHARED_FS)}, "
+                          f"got {q.shared_fs!r}")
+    if q.virtio_fs_cache not in _FS_CACHES:
+        raise ConfigError(f"{where} virtio_fs_cache must be one of {', '.join(_FS_CACHES)}, "
+                          f"got {q.virtio_fs_cache!r}")
     if q.seccompsandbox and not q.seccompsandbox.startswith("on"):
         raise ConfigError(f"{where} seccompsandbox must be \"\" (off) or QEMU's -sandbox "
                           f"option starting with \"on\", got {q.seccompsandbox!r}")

@@ -1,7 +1,9 @@
 """A guest restored from a template made this pod's (the shim's ResumeRequest): every pod
 restored from one template wakes with the template's memory, so what must differ between
 pods, or follow the host, is set here before anything else runs: the clock, the kernel's
-random state, the NICs' MACs; and the pod's 9p share, which a template never mounts."""
+random state, the NICs' MACs; and the pod's share, which a template never mounts (over
+virtio-fs its device is not even in the template: the restored VM has it, unseen by the
+guest until a rescan of the PCI bus finds it)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +23,8 @@ log = logging.getLogger("podvm.agent")
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the CRNG from the input pool now
 FSTAB = "/etc/podvm-fstab"
 SHARE = "/run/podvm/shared"
+SHARE_PARAM = "podvm_share="  # the share's file system type, on the kernel line
+PCI_RESCAN = "/sys/bus/pci/rescan"
 MIN_ENTROPY = 32
 
 
@@ -74,11 +78,21 @@ def _reseed(entropy: bytes) -> None:
         os.close(fd)
 
 
+def share_type() -> str:
+    with open("/proc/cmdline") as f:
+        words = f.read().split()
+    return next((w[len(SHARE_PARAM):] for w in words if w.startswith(SHARE_PARAM)), "9p")
+
+
 async def _mount_share() -> None:
     if os.path.ismount(SHARE):
         return
+    fstype = share_type()
+    if fstype == "virtiofs":  # probed as the rescan adds it: mountable when this returns
+        with open(PCI_RESCAN, "w") as f:
+            f.write("1")
     proc = await asyncio.create_subprocess_exec(
-        "mount", "-a", "-T", FSTAB, "-t", "9p", stdout=asyncio.subprocess.PIPE,
+        "mount", "-a", "-T", FSTAB, "-t", fstype, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
     out, _ = await proc.communicate()
     if proc.returncode or not os.path.ismount(SHARE):

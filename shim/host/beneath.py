@@ -1,7 +1,7 @@
 """Paths resolved beneath a directory descriptor, never through a symlink, and mounts
 attached, changed and detached through descriptors: the few system calls that keep the
 shim inside a directory someone else can write (the pod's shared directory, whose
-containers' roots and volumes the guest writes through 9p).
+containers' roots and volumes the guest writes through the share).
 
 libpathrs (PyPI `pathrs`) does this job, but its Python package is a binding that needs
 the Rust library installed, which neither Debian 12 nor PyPI ships: these are the calls

@@ -106,10 +106,12 @@ class HostCgroup:
         return self.sandbox.preexec()
 
     async def place(self, vm: VM) -> dict[str, list[int]]:
-        """Every QEMU thread by role: vCPUs into vcpus/, the rest into vmm/."""
+        """Every QEMU thread by role: vCPUs into vcpus/, the rest (and the threads of the
+        VM's helpers, virtiofsd) into vmm/."""
         assert self.sandbox is not None
         roles = await vm.threads()
-        self.sandbox.adopt_process(vm.pid)
+        for pid in (vm.pid, *vm.helper_pids):
+            self.sandbox.adopt_process(pid)
         placed = self.sandbox.place_threads(roles)
         self._known_tids = frozenset(t for tids in roles.values() for t in tids)
         log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
@@ -145,6 +147,11 @@ class HostCgroup:
             vcpus = roles.get(VCPU_ROLE, [])
             self._known_tids = frozenset(t for tids in roles.values() for t in tids)
         moved = self.sandbox.place_new_threads(vm.pid, vcpus)
+        for pid in vm.helper_pids:
+            try:
+                moved.update(self.sandbox.place_new_threads(pid))
+            except cgroups.ProcessGone:
+                pass
         if moved:
             log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
                      ", ".join(f"{role} {tids}" for role, tids in moved.items()))

@@ -126,6 +126,9 @@ def cleanup_from_state(state_dir: str) -> None:
     for pid in sorted(qemus):
         log.info("killing QEMU %d of sandbox %s", pid, sandbox)
         kill_and_wait(pid)
+    for pid in processes_of("virtiofsd", state_dir + "/"):  # ends with QEMU, unless
+        log.info("killing virtiofsd %d of sandbox %s", pid, sandbox)  # none ever came
+        kill_and_wait(pid)
     # A QEMU that would not die still holds the pod's mount namespace (the daemon, when
     # it runs this, is in that namespace itself).
     pod_process = pod_mount_process(sorted(qemus))
@@ -150,10 +153,16 @@ def qemus_of(marker: str) -> list[int]:
     """The QEMU processes with `marker` (the sandbox's QMP socket) in an argument of their
     command line: also a QEMU started just before a crash, whose pid never reached
     sandbox.json."""
+    return processes_of("qemu", marker)
+
+
+def processes_of(program: str, marker: str) -> list[int]:
+    """The processes whose program's name has `program` in it and one of whose arguments
+    has `marker` (a path of the sandbox's)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if cmd and "qemu" in os.path.basename(cmd[0]) and any(marker in a for a in cmd):
+        if cmd and program in os.path.basename(cmd[0]) and any(marker in a for a in cmd):
             found.append(proc.pid)
     return found
 

@@ -4,6 +4,7 @@ VM machinery load this module, never `start` or an idle daemon."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import psutil
@@ -67,3 +68,18 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
+
+
+def peek_exit(pid: int) -> int | None:
+    """How a child that has ended did (as Popen.returncode: -N for signal N), read
+    without reaping it: asyncio's child watcher, which reaps it, may not have run yet
+    on a busy machine. None while it runs or once it is reaped."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status  # CLD_KILLED, CLD_DUMPED

@@ -1,12 +1,12 @@
-"""The pod's shared directory: what the guest sees of the host through 9p, built by the
-shim so that a hostile guest cannot steer it.
+"""The pod's shared directory: what the guest sees of the host through virtio-fs (or
+9p), built by the shim so that a hostile guest cannot steer it.
 
 Two paths in the sandbox's state directory:
 - `shared/`: the shim's working tree, a mount with shared propagation. The shim makes
   each container's directory, its `rootfs` and `mounts/<n>-<name>` targets in it, and
   attaches the container's rootfs and host files on them.
 - `export/`: a read-only bind of `shared/` (its peer: every mount attached in `shared/`
-  appears there too, with its own flags). QEMU exports this one.
+  appears there too, with its own flags). virtiofsd (or QEMU, over 9p) exports this one.
 So the guest writes only inside a container's rootfs and its read-write volumes, as the
 container could under runc; it cannot create, remove or replace a single entry of the
 structure the shim walks (EROFS), and cannot fill the state directory's tmpfs.

@@ -4,11 +4,12 @@ mounts come through the pod's shared directory; host-only parts are dropped.
 Pure but for one look at the host's mount table (the `submounts` argument): returns the
 rewritten spec and the binds the shim must make on the host.
 
-Read-only binds: the guest sees a bind's whole host tree, submounts included, as part of
-one 9p mount, so a read-only bind there is read-only all the way down, which is what
-`rro` (RecursiveReadOnly) asks; the guest's runc does not know `rro` and gets `ro`, and
-the host makes the bind read-only all the way down too (a container that broke out to
-root in the guest could otherwise write the submounts through 9p). A
+Read-only binds: the guest sees a bind's whole host tree, submounts included, as one 9p
+mount, or over virtio-fs as submounts of the share that carry the host's flags, so a
+read-only bind there is read-only all the way down, which is what `rro`
+(RecursiveReadOnly) asks; the guest's runc does not know `rro` and gets `ro`, and the
+host makes the bind read-only all the way down too (a container that broke out to root
+in the guest could otherwise write the submounts through the share). A
 plain `ro` bind is read-only at its top only, as runc makes it: each host mount below
 its source comes again as a bind of its own, on top, with its own flags (rw unless it
 is read-only itself)."""

@@ -45,6 +45,8 @@ class ThreadRole(str, enum.Enum):
     MAIN = "main"
     IOTHREAD = "iothread"
     OTHER = "other"
+    FILES = "files"
+    """The threads of the process that serves the pod's files (virtiofsd)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class VMSpec:
     workdir: str
     """Private directory for the VM's sockets, console log and pid file."""
     shared_dir: str
-    """Host directory exported to the guest (9p tag `podvm`): container rootfs live here."""
+    """Host directory exported to the guest (tag `podvm`, over virtio-fs or 9p as
+    `hypervisor.shared_fs` says): container rootfs live here."""
     vcpus: int
     max_vcpus: int
     memory_mib: int
@@ -67,8 +70,20 @@ class VMSpec:
     """The pod's interfaces, bridged to taps whose descriptors QEMU inherits."""
     template: bool = False
     """The VM is a template (shim/vm/template.py) or is restored from one: its
-    kernel line says so (the guest leaves its 9p share to the agent's Resume) and its NICs
+    kernel line says so (the guest leaves its share to the agent's Resume) and its NICs
     have the template's MACs (template_mac)."""
+    saved: bool = False
+    """The VM boots to be saved as a template: nothing on it that cannot be saved (the
+    virtio-fs device, which QEMU 7.2 cannot migrate, is added to those restored)."""
+    memory_path: str = ""
+    """The file that backs the guest's RAM (shared, so that virtiofsd can map it): a
+    template's memory, or the restored copy of it; "" for a memfd of QEMU's own."""
+
+
+def memory_file(state: str) -> str:
+    """A saved VM is two files: its state (`state`, what save() wrote) and, beside it,
+    the guest's memory, which the VM wrote itself while it ran."""
+    return f"{state}.ram"
 
 
 def template_mac(index: int) -> str:
@@ -124,7 +139,14 @@ class VM(abc.ABC):
 
     @abc.abstractmethod
     async def threads(self) -> dict[ThreadRole, list[int]]:
-        """Every host thread of the VMM by role, read now (threads come and go)."""
+        """Every host thread of the VMM by role, read now (threads come and go), those of
+        its helper processes (helper_pids) included."""
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Processes besides the VMM's own that serve this VM (virtiofsd), started with
+        the same `preexec`."""
+        return []
 
     @abc.abstractmethod
     async def stop(self, timeout: float = 10) -> None:

@@ -2,10 +2,12 @@
 entered: the jail hides the cgroup files): a mount namespace of its own whose root is a
 small read-only tmpfs holding, at their usual absolute paths (QEMU's command line does
 not change), only what this VM uses: QEMU and its libraries, the kernel, initrd and root
-image, the VM's work directory, the pod's shared directory, a few device nodes and
-QEMU's own /proc/PID as /proc/self. No /sys, no /etc but ld.so.cache, no other pod's
-files. Then the capability bounding set is cut to KEEP (as uid 0, QEMU's permitted and
-effective sets after exec are the bounding set), the inheritable and ambient sets are
+image, the VM's work directory, a few device nodes and QEMU's own /proc/PID as
+/proc/self; the pod's shared directory only where QEMU serves it (9p: over virtio-fs
+virtiofsd does, in a sandbox of its own, shim/vm/virtiofsd.py). No /sys, no /etc but
+ld.so.cache, no other pod's files. Then the capability bounding set is cut to what QEMU
+needs (nothing; KEEP where it serves 9p) (as uid 0, QEMU's permitted and effective sets
+after exec are the bounding set), the inheritable and ambient sets are
 cleared and no_new_privs is set: QEMU's own `-sandbox` (seccomp) needs it without
 CAP_SYS_ADMIN, and nothing QEMU could exec gains a privilege. Last, a seccomp filter of
 podvm's own keeps QEMU from every other process (shim/vm/pidfilter.py).
@@ -42,7 +44,9 @@ CAPABILITIES = (
 """Linux's capability names by number (linux/capability.h)."""
 
 KEEP = ("chown", "dac_override", "fowner", "fsetid")
-"""What QEMU keeps: its 9p server (security_model=none) does what the guest's root asks
+"""What QEMU keeps when it serves the pod's files itself (shared_fs = "virtio-9p"; over
+virtio-fs it keeps no capability and sees none of the pod's files: virtiofsd serves
+them). Its 9p server (security_model=none) does what the guest's root asks
 in the shared directory, as QEMU's own user: create files in directories of any owner
 and mode (dac_override), chown them to the guest's owner (chown), chmod and utimes files
 it does not own (fowner), keep set-id bits through chown and writes (fsetid). Nothing
@@ -143,9 +147,10 @@ class Jail:
 
 
 def plan(spec: VMSpec) -> Jail:
-    """The jail of `spec`'s VM: its files at their paths, its work directory and shared
-    directory writable, /dev/kvm only under KVM. The tap and vhost-net devices come as
-    descriptors, a template's state too: neither is a path in the jail."""
+    """The jail of `spec`'s VM: its files at their paths, its work directory writable,
+    the shared directory only where QEMU serves it (9p), /dev/kvm only under KVM. The tap
+    and vhost-net devices come as descriptors, a template's state and the guest's RAM
+    file too: none is a path in the jail."""
     q = spec.hypervisor
     binds: list[Bind] = []
     links: list[tuple[str, str]] = []
@@ -158,11 +163,13 @@ def plan(spec: VMSpec) -> Jail:
         # the path QEMU is given, and where a symlink there leads (one under /usr)
         binds.extend(Bind(p) for p in {path, os.path.realpath(path)})
     binds.append(Bind(spec.workdir, writable=True))
-    binds.append(Bind(spec.shared_dir, writable=True, recursive=True))  # as it is
+    serves_files = q.shared_fs == "virtio-9p"
+    if serves_files:
+        binds.append(Bind(spec.shared_dir, writable=True, recursive=True))  # as it is
     devices = DEVICES + (("/dev/kvm",) if q.accel == "kvm" else ())
     binds.extend(Bind(d, writable=True, device=True) for d in devices if os.path.exists(d))
     return Jail(root=os.path.join(spec.workdir, "jail"), binds=_outermost(binds),
-                links=tuple(links), keep=KEEP)
+                links=tuple(links), keep=KEEP if serves_files else ())
 
 
 def _outermost(binds: list[Bind]) -> tuple[Bind, ...]:

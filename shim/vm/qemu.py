@@ -1,11 +1,12 @@
 """QEMU driver: a pod's VM started (booted, or restored from a template's state) with
-the command line of shim/vm/qemu_command.py, confined (jail.py), attached over QMP, and
-stopped. What it does over QMP once running is in qemu_query.py (size, threads),
-qemu_hotplug.py and qemu_state.py (save and load); what the user is told when it fails,
-in qemu_diagnosis.py."""
+the command line of shim/vm/qemu_command.py, confined (jail.py), its file server beside
+it (virtiofsd.py), attached over QMP, and stopped. What it does over QMP once running is
+in qemu_query.py (size, threads), qemu_hotplug.py and qemu_state.py (save and load); what
+the user is told when it fails, in qemu_diagnosis.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -16,10 +17,12 @@ import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from ..host.libc import last_errno, libc
+from ..host.processes import peek_exit
 from . import jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state
 from .console import ConsoleLog
 from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, ThreadRole, VM, VMExited,
                          VMSpec)
+from .virtiofsd import FileServer
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -51,6 +54,8 @@ class QemuVM(VM):
         self._restore_from = ""
         self._console: ConsoleLog | None = None
         self._preexec: Callable[[], None] | None = None
+        self._files: FileServer | None = None
+        self._memory: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
@@ -92,6 +97,10 @@ class QemuVM(VM):
     def check_files(self) -> None:
         qemu_diagnosis.check_files(self.spec)
 
+    @property
+    def helper_pids(self) -> list[int]:
+        return self._files.pids() if self._files is not None else []
+
     async def launch(self, preexec=None, restore_from: str = "") -> None:
         """`restore_from`: a template's saved state (shim/vm/template.py) that
         QEMU loads instead of booting the guest; RestoreFailed when that fails."""
@@ -100,6 +109,26 @@ class QemuVM(VM):
         for path in (self.agent_socket, self.qmp_socket):
             _unlink(path)
         self._restore_from, self._preexec = restore_from, preexec
+        if self.spec.hypervisor.shared_fs == "virtio-fs" and not self.spec.saved:
+            self._files = FileServer(self.spec)
+            await self._files.start(preexec)
+        memfd = -1
+        try:
+            memfd, self._memory = qemu_state.open_memory(self.spec, restore_from, preexec)
+            if memfd >= 0:  # a descriptor: no path of the guest's RAM is in the jail
+                self.spec = dataclasses.replace(self.spec,
+                                                memory_path=f"/proc/self/fd/{memfd}")
+            await self._spawn(preexec, [memfd] if memfd >= 0 else [])
+        except BaseException:
+            await self._stop_helpers()
+            raise
+        finally:
+            if memfd >= 0:
+                os.close(memfd)  # QEMU and dd have their own
+
+    async def _spawn(self, preexec: Callable[[], None] | None, fds: list[int]) -> None:
+        """QEMU started, confined, and attached until the guest's agent port is open."""
+        restore_from = self._restore_from
         cmd = self.command() + (["-incoming", "defer"] if restore_from else [])
         log.info("starting QEMU: %s", " ".join(cmd))
         libc()  # loaded before the fork: the child only calls it
@@ -119,7 +148,7 @@ class QemuVM(VM):
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
                 start_new_session=True, preexec_fn=child,
-                pass_fds=[fd for nic in self.spec.nics for fd in nic.fds])
+                pass_fds=[*fds, *(fd for nic in self.spec.nics for fd in nic.fds)])
         except OSError as exc:
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         except subprocess.SubprocessError:  # what the child said is in qemu.log
@@ -187,7 +216,7 @@ class QemuVM(VM):
         proc = self._proc
         if proc is None:
             return None
-        status = proc.returncode if proc.returncode is not None else _peek_exit(proc.pid)
+        status = proc.returncode if proc.returncode is not None else peek_exit(proc.pid)
         if status is None and grace > 0:
             try:
                 await asyncio.wait_for(proc.wait(), grace)
@@ -228,6 +257,9 @@ class QemuVM(VM):
             # The guest's port is open in the state loaded: nothing to wait for after cont.
             self._boot_stage = LOADING
             await self._load(self._restore_from)
+            if self._files is not None:
+                self._boot_stage = "QEMU did not add the virtio-fs device"
+                await qemu_hotplug.add_virtio_fs(self._execute, self.spec.workdir)
             self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
             await qmp.execute("cont")
             log.info("guest agent port open (restored from %s)", self._restore_from)
@@ -245,7 +277,8 @@ class QemuVM(VM):
                     return
 
     async def _load(self, path: str) -> None:
-        assert self._qmp is not None
+        assert self._qmp is not None and self._memory is not None
+        await self._memory  # the guest's RAM, copied meanwhile
         await qemu_state.load(self._qmp, self._execute, path, self._preexec)
 
     async def save(self, path: str) -> None:
@@ -261,9 +294,12 @@ class QemuVM(VM):
 
     async def threads(self) -> dict[ThreadRole, list[int]]:
         try:
-            return await qemu_query.threads(self._execute, self.pid)
+            roles = await qemu_query.threads(self._execute, self.pid)
         except psutil.NoSuchProcess:
             raise (await self.exited(grace=2)) or HypervisorError("QEMU is gone") from None
+        if self._files is not None:
+            roles[ThreadRole.FILES] = self._files.threads()
+        return roles
 
     async def _execute(self, command: str, arguments: dict | None = None) -> object:
         """One QMP command. QEMU refusing it raises ExecuteError (the caller says what
@@ -316,8 +352,18 @@ class QemuVM(VM):
         if self._console is not None:
             console, self._console = self._console, None
             await console.close()
+        await self._stop_helpers()
         for path in (self.agent_socket, self.qmp_socket, self.console_socket):
             _unlink(path)
+
+    async def _stop_helpers(self) -> None:
+        """The RAM copy and virtiofsd (which ends by itself once QEMU has hung up)."""
+        if self._memory is not None:
+            memory, self._memory = self._memory, None
+            memory.cancel()
+            await asyncio.gather(memory, return_exceptions=True)
+        if self._files is not None:
+            await self._files.stop()
 
     async def _disconnect_qmp(self) -> None:
         if self._qmp is not None:
@@ -342,21 +388,6 @@ class QemuVM(VM):
         if self._proc is None:
             raise HypervisorError("VM was never launched")
         return await self._proc.wait()
-
-
-def _peek_exit(pid: int) -> int | None:
-    """How a child that has ended did (as Popen.returncode: -N for signal N), read
-    without reaping it: asyncio's child watcher, which reaps it, may not have run yet
-    on a busy machine. None while it runs or once it is reaped."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return None
-    if info is None:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return info.si_status
-    return -info.si_status  # CLD_KILLED, CLD_DUMPED
 
 
 def _unlink(path: str) -> None:

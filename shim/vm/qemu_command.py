@@ -1,9 +1,9 @@
 """QEMU's command line for a pod's VM: q35 with qboot and a PVH-booted uncompressed kernel
 (fast under TCG too), the guest's root image shared read-only over virtio-pmem, room for
 CPU and memory hot-plug, free page reporting, the serial console and the agent on
-sockets in the VM's work directory, the pod's shared directory over virtio-9p, QEMU's
-seccomp sandbox; and the kernel line the guest boots with. Pure: the template key
-(shim/vm/template.py) is a hash of it."""
+sockets in the VM's work directory, the pod's shared directory over virtio-fs (or 9p), the
+guest's RAM shared (virtiofsd maps it), QEMU's seccomp sandbox; and the kernel line the
+guest boots with. Pure: the template key (shim/vm/template.py) is a hash of it."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,14 @@ from ..config import HypervisorConfig
 from .hypervisor import VMSpec, template_mac
 
 SHARE_TAG = "podvm"
+RAM = "ram"
+"""The id of the guest RAM's memory backend (the same in a template and its restores)."""
+FS_PORT = "fsport"
+"""The PCIe root port the virtio-fs device sits behind: there from boot, so that a VM
+restored from a template (which cannot have the device: QEMU 7.2 neither saves nor
+loads a VM with one) gets it hot-plugged there (virtio_fs_device), where its guest
+finds it by a rescan of the PCI bus (guest/agent/resume.py)."""
+FS_CHARDEV = "fs"
 ROOT_IMAGE = "rootfs"
 """The id of the root image's memory backend and virtio-pmem device."""
 QBOOT = "/usr/share/qemu/qboot.rom"
@@ -43,10 +51,18 @@ FAST_PARAMS = "mitigations=off nokaslr lsm=capability init_on_alloc=0"
 def kernel_line(q: HypervisorConfig, template: bool) -> str:
     """The guest's kernel command line less maxcpus=: podvm's own parameters, then the
     weaker fast form if configured, the operator's kernel_params (config.py refuses
-    those that would change what podvm relies on), and the template marker."""
+    those that would change what podvm relies on), the share's file system and the
+    template marker."""
     return " ".join(part for part in (
         KERNEL_PARAMS, "" if q.guest_kernel_hardening else FAST_PARAMS, q.kernel_params,
-        TEMPLATE_PARAM if template else "") if part)
+        f"{SHARE_PARAM}={SHARE_FS[q.shared_fs]}", TEMPLATE_PARAM if template else "")
+        if part)
+
+
+SHARE_PARAM = "podvm_share"
+SHARE_FS = {"virtio-fs": "virtiofs", "virtio-9p": "9p"}
+"""The guest's file system type of the share, by shared_fs: guest/init and the agent's
+Resume mount the line of that type in the guest's fstab."""
 
 
 TEMPLATE_PARAM = "podvm_template=1"
@@ -70,6 +86,49 @@ def console_socket(workdir: str) -> str:
     """QEMU's end of the guest's serial console, copied into console_log at a bounded
     size (shim/vm/console.py)."""
     return os.path.join(workdir, "console.sock")
+
+
+def virtio_fs_socket(workdir: str) -> str:
+    """virtiofsd's vhost-user socket (shim/vm/virtiofsd.py listens, QEMU connects)."""
+    return os.path.join(workdir, "virtiofs.sock")
+
+
+def _ram(s: VMSpec) -> list[str]:
+    """The guest's RAM, always shared: virtiofsd reads and writes the guest's buffers in
+    it. A template's is a file (what it saved besides QEMU's state: shim/vm/template.py),
+    a restored VM's a copy of that file; a booted one's a memfd."""
+    if s.memory_path:
+        backend = f"memory-backend-file,mem-path={s.memory_path}"
+    else:
+        backend = "memory-backend-memfd"
+    return ["-object", f"{backend},id={RAM},size={s.memory_mib}M,share=on"]
+
+
+def _share(s: VMSpec) -> list[str]:
+    """The pod's shared directory: virtio-fs (none on a VM to be saved), or 9p."""
+    if s.hypervisor.shared_fs == "virtio-9p":
+        return ["-fsdev", f"local,id=shared,path={s.shared_dir},security_model=none,"
+                          "multidevs=remap",
+                "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}"]
+    port = ["-device", f"pcie-root-port,id={FS_PORT},chassis=1,bus=pcie.0,addr=0x10"]
+    if s.template:  # saved, or restored: added once the state is loaded
+        return port
+    device = virtio_fs_device()
+    return [*port, "-chardev", f"socket,id={FS_CHARDEV},path={virtio_fs_socket(s.workdir)}",
+            "-device", ",".join([device.pop("driver"), *(f"{k}={v}" for k, v in device.items())])]
+
+
+def virtio_fs_device() -> dict[str, str]:
+    """The virtio-fs device's properties, QMP's device_add arguments."""
+    return {"driver": "vhost-user-fs-pci", "id": "virtiofs", "chardev": FS_CHARDEV,
+            "tag": SHARE_TAG, "bus": FS_PORT}
+
+
+def virtio_fs_chardev(workdir: str) -> dict:
+    """QMP's chardev-add arguments for the socket to virtiofsd."""
+    return {"id": FS_CHARDEV, "backend": {"type": "socket", "data": {
+        "addr": {"type": "unix", "data": {"path": virtio_fs_socket(workdir)}},
+        "server": False}}}
 
 
 def command(s: VMSpec) -> list[str]:
@@ -96,11 +155,12 @@ def command(s: VMSpec) -> list[str]:
         accel, cpu, present = "kvm", "host", s.vcpus
     return [
         q.path, "-name", f"podvm-{s.sandbox_id},debug-threads=on",
-        "-machine", "q35", "-accel", accel, "-cpu", cpu,
+        "-machine", f"q35,memory-backend={RAM}", "-accel", accel, "-cpu", cpu,
         "-bios", QBOOT, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
         "-S",  # paused until QMP is attached, so no early event is missed
         "-smp", f"{present},maxcpus={maxcpus}",
         "-m", f"{s.memory_mib}M,slots=8,maxmem={maxmem}M",
+        *_ram(s),
         "-kernel", q.kernel, "-initrd", q.initrd, "-append", append,
         "-object", f"memory-backend-file,id={ROOT_IMAGE},mem-path={q.image},"
                    f"size={image},share=on,readonly=on",
@@ -114,9 +174,7 @@ def command(s: VMSpec) -> list[str]:
         "-device", "virtio-serial-pci,id=serial0",
         "-chardev", f"socket,id=agent,path={agent_socket(s.workdir)},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,id=agentport,name={AGENT_PORT}",
-        "-fsdev", f"local,id=shared,path={s.shared_dir},security_model=none,"
-                  "multidevs=remap",
-        "-device", f"virtio-9p-pci,fsdev=shared,mount_tag={SHARE_TAG}",
+        *_share(s),
         "-pidfile", os.path.join(s.workdir, "qemu.pid"),
         *(["-sandbox", q.seccompsandbox] if q.seccompsandbox else []),
         *(arg for nic in s.nics

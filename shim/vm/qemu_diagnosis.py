@@ -25,10 +25,14 @@ def check_files(spec: VMSpec) -> None:
     where = spec.config_source
     if not os.path.isabs(where):
         where = DEFAULT_CONFIG
-    for key, path, fix in (("path", q.path, "install the qemu-system-x86 package"),
-                           ("kernel", q.kernel, "run `make install` (it builds them)"),
-                           ("initrd", q.initrd, "run `make install` (it builds them)"),
-                           ("image", q.image, "run `make install` (it builds them)")):
+    files = [("path", q.path, "install the qemu-system-x86 package"),
+             ("kernel", q.kernel, "run `make install` (it builds them)"),
+             ("initrd", q.initrd, "run `make install` (it builds them)"),
+             ("image", q.image, "run `make install` (it builds them)")]
+    if q.shared_fs == "virtio-fs":
+        files.append(("virtio_fs_daemon", q.virtio_fs_daemon,
+                      "install the qemu-system-common package"))
+    for key, path, fix in files:
         if not os.path.isfile(path):
             raise MissingFile(f"{key} {path} does not exist: {fix}, or set "
                               f"[hypervisor.qemu] {key} in {where}")

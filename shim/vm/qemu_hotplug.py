@@ -1,12 +1,13 @@
-"""vCPUs and memory added to a running QEMU VM over QMP (the guest onlines them). Nothing
-is ever unplugged: see add_vcpus and add_memory."""
+"""vCPUs and memory added to a running QEMU VM over QMP (the guest onlines them), and the
+virtio-fs device to a restored one. Nothing is ever unplugged: see add_vcpus and
+add_memory."""
 from __future__ import annotations
 
 from qemu.qmp import ExecuteError
 
 from ..resources.update import MEMORY_BLOCK_MIB
-from . import qemu_query
-from .hypervisor import CannotGrow
+from . import qemu_command, qemu_query
+from .hypervisor import CannotGrow, HypervisorError
 from .qemu_query import Execute
 
 
@@ -50,8 +51,9 @@ async def add_memory(execute: Execute, mib: int, max_memory_mib: int) -> int:
     dimms = [d for d in await execute("query-memory-devices")]  # type: ignore[union-attr]
     name = f"mem{len(dimms)}"
     try:
-        await execute("object-add", {"qom-type": "memory-backend-ram", "id": name,
-                                     "size": mib << 20})
+        # Shared as the boot RAM is: virtiofsd reads and writes guest buffers anywhere.
+        await execute("object-add", {"qom-type": "memory-backend-memfd", "id": name,
+                                     "size": mib << 20, "share": True})
     except ExecuteError as exc:
         raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
     try:
@@ -61,3 +63,13 @@ async def add_memory(execute: Execute, mib: int, max_memory_mib: int) -> int:
         await execute("object-del", {"id": name})
         raise CannotGrow(f"memory hot-plug of {mib} MiB refused by QEMU: {exc}") from None
     return mib
+
+
+async def add_virtio_fs(execute: Execute, workdir: str) -> None:
+    """The virtio-fs device and its socket to virtiofsd, added to a VM restored from a
+    template (which has the root port for it: shim/vm/qemu_command.py)."""
+    try:
+        await execute("chardev-add", qemu_command.virtio_fs_chardev(workdir))
+        await execute("device_add", qemu_command.virtio_fs_device())
+    except ExecuteError as exc:
+        raise HypervisorError(f"QEMU refused the virtio-fs device: {exc}") from None

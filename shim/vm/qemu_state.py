@@ -1,5 +1,9 @@
 """A QEMU VM's state saved to a file and loaded back (shim/vm/template.py): QEMU's
-migration stream over a descriptor passed on QMP, without the root image's memory."""
+migration stream over a descriptor passed on QMP, without memory. The guest's RAM is
+shared (virtiofsd maps it), and shared RAM is what x-ignore-shared leaves out: a
+template's RAM is the file its VM ran on (hypervisor.memory_file beside the state), and a
+restored VM runs on a copy of it, a memfd the shim fills (copy_memory) while QEMU starts.
+The root image's memory is not saved either: every VM maps the same file."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +13,10 @@ from typing import Callable
 from qemu.qmp import ExecuteError, QMPClient
 
 from . import stateload
-from .hypervisor import HypervisorError, RestoreFailed
+from .hypervisor import HypervisorError, RestoreFailed, VMSpec, memory_file
 from .qemu_query import Execute
 
-# Both ends of a save: the root image's memory (mapped shared, from a file every VM maps)
-# is not part of the state.
+# Both ends of a save: shared memory (the guest's RAM, the root image) is not in the state.
 SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 
 async def load(qmp: QMPClient, execute: Execute, path: str,
@@ -29,6 +32,42 @@ async def load(qmp: QMPClient, execute: Execute, path: str,
         await qmp.execute("migrate-incoming", {"uri": f"fd:{stateload.FD_NAME}"})
 
     await stateload.load(path, send, lambda: migration_done(execute, "loading"), preexec)
+
+
+def open_memory(spec: VMSpec, restore_from: str, preexec: Callable[[], None] | None
+                ) -> tuple[int, asyncio.Future[None] | None]:
+    """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
+    and the copy under way into it: a memfd filled from the template's memory for a
+    restore; the template's memory file, made new (never an existing file or a
+    symlink's target), for a VM to be saved."""
+    if restore_from:
+        memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
+        return memfd, asyncio.ensure_future(copy_memory(
+            memory_file(restore_from), memfd, spec.memory_mib << 20, preexec))
+    if spec.memory_path:
+        return os.open(spec.memory_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                       | os.O_CLOEXEC, 0o600), None
+    return -1, None
+
+
+async def copy_memory(path: str, memfd: int, size: int,
+                      preexec: Callable[[], None] | None) -> None:
+    """The template's memory `path` into `memfd` (`size` bytes) by a dd in the pod's
+    sandbox cgroup (`preexec`), so the pages are the pod's; holes stay holes (what the
+    guest had freed is not copied). RestoreFailed when dd fails."""
+    os.ftruncate(memfd, size)
+    command = [*stateload.reader_command(path), "conv=sparse,notrunc"]
+    try:
+        dd = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.DEVNULL, stdout=memfd,
+            stderr=asyncio.subprocess.PIPE, preexec_fn=preexec)
+    except OSError as exc:
+        raise RestoreFailed(f"cannot run dd for the template's memory {path}: "
+                            f"{exc.strerror}") from None
+    _, said = await dd.communicate()
+    if dd.returncode:
+        raise RestoreFailed(f"dd could not copy the template's memory {path} (status "
+                            f"{dd.returncode}): {said.decode(errors='replace').strip()}")
 
 
 async def save(send_fd: Callable[[int], None], execute: Execute, path: str) -> None:

@@ -3,10 +3,12 @@ of that shape. Under TCG the guest's boot (kernel, init, the agent's Python) is 
 pod's start; restoring its saved state is ~0.5 s, and the restored VM has translated
 only what it runs after (a smaller TCG cache).
 
-A template is the whole VM (QEMU's migration stream) saved when its agent has opened its
-port (the host connected, nothing sent) and nothing of any pod is in it: no 9p share
-mounted (QEMU cannot save a VM whose 9p export is mounted), NICs with the template's MACs
-and nothing behind them (PlaceholderNic). QEMU can restore a state only into a VM made
+A template is the whole VM saved when its agent has opened its port (the host connected,
+nothing sent) and nothing of any pod is in it: QEMU's migration stream (`<key>.vmstate`)
+and the guest's RAM, the file the template's VM ran on (`<key>.vmstate.ram`, sparse:
+what the guest freed is a hole). No share mounted (QEMU cannot save a VM whose 9p
+export is mounted, nor one with a virtio-fs device at all: restored VMs get theirs
+added), NICs with the template's MACs and nothing behind them (PlaceholderNic). QEMU can restore a state only into a VM made
 the same way, so a template serves the VMs whose command line is the same but for what
 the restore brings (paths, the sandbox id, the taps): `of()` keys a template by that
 command line and the identity of every file it names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key; the
@@ -38,18 +40,18 @@ from typing import Callable
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
 from . import vmm
-from .hypervisor import HypervisorError, VMSpec
+from .hypervisor import HypervisorError, VMSpec, memory_file
 
 log = logging.getLogger("podvm.template")
 
-FORMAT = 2
+FORMAT = 3
 """Bumped when what a template holds changes in a way its key does not show."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Template:
-    """One shape's template in `directory`: `<key>.vmstate` (the saved VM) and
-    `<key>.json` (what it was made of, for people and for pruning)."""
+    """One shape's template in `directory`: `<key>.vmstate` (the saved VM), its memory
+    beside it, and `<key>.json` (what it was made of, for people and for pruning)."""
     directory: str
     key: str
     inputs: dict[str, list]
@@ -62,13 +64,24 @@ class Template:
     def meta(self) -> str:
         return os.path.join(self.directory, f"{self.key}.json")
 
+    @property
+    def memory(self) -> str:
+        return memory_file(self.state)
+
     def exists(self) -> bool:
-        return os.path.isfile(self.state) and os.path.isfile(self.meta)
+        return all(os.path.isfile(p) for p in (self.state, self.memory, self.meta))
 
     def discard(self, why: str) -> None:
         log.warning("template %s discarded: %s", self.key, why)
-        for path in (self.state, self.meta):
+        for path in (self.meta, self.state, self.memory):
             _unlink(path)
+
+    def size(self) -> int:
+        """Bytes on disk, its memory's holes not counted."""
+        try:
+            return sum(os.stat(p).st_blocks * 512 for p in (self.state, self.memory))
+        except FileNotFoundError:
+            return 0
 
     def lock(self) -> "_Lock | None":
         """The right to make this template, or None while another pod makes it."""
@@ -89,8 +102,8 @@ class Template:
         pod would fail the same way); NotSaved when it booted but could not be saved."""
         started = time.monotonic()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        vm = vmm.create(template_spec(spec))
         tmp = f"{self.state}.{os.getpid()}.tmp"
+        vm = vmm.create(dataclasses.replace(template_spec(spec), memory_path=memory_file(tmp)))
         try:
             await vm.launch(preexec=preexec)
             # Saved with the host still connected and nothing ever sent: the agent waits
@@ -104,6 +117,9 @@ class Template:
                     json.dump({"format": FORMAT, "inputs": self.inputs,
                                "command": vm.command(), "made": time.time(),
                                "made_by": spec.sandbox_id}, f, indent=1)
+                await vm.stop(timeout=2)
+                _settle(memory_file(tmp))
+                os.rename(memory_file(tmp), self.memory)
                 os.rename(tmp, self.state)
                 os.rename(f"{self.meta}.tmp", self.meta)
             except (OSError, HypervisorError) as exc:
@@ -113,12 +129,11 @@ class Template:
                 writer.close()
         finally:
             await vm.stop(timeout=2)
-            for path in (tmp, f"{self.meta}.tmp"):
+            for path in (tmp, memory_file(tmp), f"{self.meta}.tmp"):
                 _unlink(path)
             remove_tree(vm.spec.workdir)
         log.info("template %s made by sandbox %s in %.2fs (%d MiB)", self.key,
-                 spec.sandbox_id, time.monotonic() - started,
-                 os.path.getsize(self.state) >> 20)
+                 spec.sandbox_id, time.monotonic() - started, self.size() >> 20)
         prune(self.directory)
 
 
@@ -137,10 +152,11 @@ class _Lock:
 
 
 def template_spec(spec: VMSpec) -> VMSpec:
-    """The template VM of `spec`'s shape: no taps behind its NICs."""
+    """The template VM of `spec`'s shape: no taps behind its NICs, nothing it cannot save."""
     return dataclasses.replace(
         spec, sandbox_id=f"{spec.sandbox_id}-template", workdir=f"{spec.workdir}-template",
-        template=True, nics=tuple(PlaceholderNic(n.index, n.mtu) for n in spec.nics))
+        template=True, saved=True,
+        nics=tuple(PlaceholderNic(n.index, n.mtu) for n in spec.nics))
 
 
 def of(spec: VMSpec) -> Template:
@@ -149,7 +165,7 @@ def of(spec: VMSpec) -> Template:
     inputs = {name: _identity(path) for name, path in (
         ("qemu", q.path), ("kernel", q.kernel), ("initrd", q.initrd), ("image", q.image))}
     canonical = dataclasses.replace(template_spec(spec), sandbox_id="", workdir="/",
-                                    shared_dir="/")
+                                    shared_dir="/", memory_path="/")
     digest = hashlib.sha256(json.dumps({
         "format": FORMAT, "inputs": inputs,
         "command": vmm.create(canonical).command()}, sort_keys=True).encode())
@@ -177,14 +193,26 @@ def prune(directory: str) -> list[str]:
             except (OSError, ValueError, KeyError, TypeError, IndexError):
                 stale = True
             if stale:
-                for suffix in (".json", ".vmstate", ".lock"):
+                for suffix in (".json", ".vmstate", ".vmstate.ram", ".lock"):
                     _unlink(os.path.join(directory, key + suffix))
                 removed.append(key)
-        elif name.endswith(".vmstate") and not os.path.exists(path[:-len(".vmstate")] + ".json"):
+        elif name.endswith((".vmstate", ".vmstate.ram")) and not os.path.exists(
+                path[:path.index(".vmstate")] + ".json"):
             _unlink(path)  # its metadata was never written: an interrupted save
     if removed:
         log.info("templates of changed files removed: %s", ", ".join(removed))
     return removed
+
+
+def _settle(path: str) -> None:
+    """The template's memory on disk, and out of the page cache (the pod that made it
+    would be charged for it): its VM, which wrote it through a shared mapping, is gone."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _identity(path: str) -> list:

@@ -1,14 +1,18 @@
 """QEMU confined (shim/vm/jail.py, its -sandbox) for pods made through containerd's
-CRI: /proc shows the seccomp filter, no_new_privs and only the capabilities README names;
-its root holds the pod's files and no other pod's, nor containerd's; a container's files,
-mounted after QEMU started, reach QEMU's namespace and leave it again; the guest's root
-still owns, chmods and writes its files over 9p; `podvmctl status` says all this.
-Real containerd, real QEMU under TCG (pods restored from a template, as by default)."""
+CRI: /proc shows the seccomp filter, no_new_privs and no capability (virtiofsd, not
+QEMU, serves the pod's files); its root holds its own work directory and none of the
+pod's files, no other pod's, nor containerd's. virtiofsd (shim/vm/virtiofsd.py) is in
+namespaces of its own whose root is the pod's shared directory; a container's files,
+mounted after it started, reach its namespace and leave it again; the guest's root still
+owns, chmods and writes its files over virtio-fs, and cannot make device nodes;
+`podvmctl status` says all this. Real containerd, real QEMU under TCG (pods restored
+from a template, as by default)."""
 from __future__ import annotations
 
 import os
 import pathlib
 
+import psutil
 import pytest
 
 from shim.host import paths
@@ -21,7 +25,17 @@ from .test_crictl import wait_for
 from .test_podvm_pods import (cri_containerd, pod_qemus, remove_pod, runp,
                              start_container)
 
-KEEP_MASK = sum(1 << jail.CAPABILITIES.index(name) for name in jail.KEEP)
+def file_server(pod_id: str) -> int:
+    """The virtiofsd process that serves the pod's files: the child that its virtiofsd
+    forks into namespaces of its own."""
+    marker = paths.state_dir(CRI_NAMESPACE, pod_id) + "/"
+    found = [p for p in psutil.process_iter(["cmdline", "ppid"])
+             if (p.info["cmdline"] or [""])[0].endswith("virtiofsd")
+             and any(marker in a for a in p.info["cmdline"])]
+    pids = {p.pid for p in found}
+    children = [p.pid for p in found if p.info["ppid"] in pids]
+    assert len(children) == 1, [(p.pid, p.info) for p in found]
+    return children[0]
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +79,15 @@ def test_a_pod_s_qemu_is_confined_as_proc_shows(pods) -> None:
         fields = dict(line.split(":", 1) for line in
                       pathlib.Path(f"/proc/{pid}/status").read_text().splitlines())
         assert fields["Seccomp"].strip() == "2" and fields["NoNewPrivs"].strip() == "1"
-        assert int(fields["CapEff"], 16) == KEEP_MASK == int(fields["CapBnd"], 16)
+        assert int(fields["CapEff"], 16) == 0 == int(fields["CapBnd"], 16)
         shim = int(fields["PPid"])
         assert mount_namespace(pid) not in (mount_namespace(shim), mount_namespace())
         report = status.collect(status.find(pod["pod"], CRI_NAMESPACE))
         assert report["confinement"] == {"seccomp": 2, "no_new_privs": 1,
-                                         "capabilities": list(jail.KEEP),
+                                         "capabilities": [],
                                          "own_mount_namespace": True}
         assert "QEMU confinement: seccomp 2 (filter), no_new_privs 1, capabilities " \
-               "chown,dac_override,fowner,fsetid, own mount namespace yes" in \
-               status.render(report)
+               "none, own mount namespace yes" in status.render(report)
 
 
 def test_its_root_has_the_pod_s_files_and_not_the_host_s(ctd, pods) -> None:
@@ -82,7 +95,8 @@ def test_its_root_has_the_pod_s_files_and_not_the_host_s(ctd, pods) -> None:
     root = f"/proc/{a['qemu']}/root"
     mine, theirs = (paths.state_dir(CRI_NAMESPACE, p["pod"]) for p in (a, b))
     assert os.path.isdir(f"{root}{mine}/vm")
-    for absent in (theirs, f"{theirs}/vm", str(ctd.workdir), "/etc/shadow",
+    for absent in (theirs, f"{theirs}/vm", f"{mine}/shared", f"{mine}/export",
+                   str(ctd.workdir), "/etc/shadow",
                    "/var/lib/containerd", "/run/containerd", f"{mine}/sandbox.json",
                    "/proc/1", "/sys/fs/cgroup"):
         assert not os.path.lexists(f"{root}{absent}"), absent
@@ -90,25 +104,42 @@ def test_its_root_has_the_pod_s_files_and_not_the_host_s(ctd, pods) -> None:
         pathlib.Path(f"{root}/usr/planted").write_text("x")
 
 
+def test_virtiofsd_s_root_is_the_pod_s_shared_directory(pods) -> None:
+    a, b = pods
+    server = file_server(a["pod"])
+    root = pathlib.Path(f"/proc/{server}/root")
+    names = {p.name for p in root.iterdir()}  # the pod's export: a directory per container
+    assert {a["pod"], a["container"]} <= names and not {b["pod"], b["container"]} & names
+    assert (root / a["container"] / "rootfs" / "bin" / "busybox").is_file()
+    for ns in ("mnt", "pid", "net"):
+        assert os.readlink(f"/proc/{server}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
+    fields = dict(line.split(":", 1) for line in
+                  pathlib.Path(f"/proc/{server}/status").read_text().splitlines())
+    assert fields["Seccomp"].strip() == "2"
+    mknod = 1 << jail.CAPABILITIES.index("mknod")
+    assert int(fields["CapEff"], 16) & mknod == 0
+
+
 def test_a_container_s_files_reach_qemu_after_it_started_and_leave_with_it(
         crictl, configs, pods) -> None:
-    """The shared directory is bound recursively as a slave: the rootfs of a container
-    created after QEMU started is there in QEMU's namespace (else the guest could not
-    run it), and its removal unmounts it there too."""
+    """virtiofsd binds the shared directory recursively as a slave: the rootfs of a
+    container created after it started is there in its namespace (else the guest could
+    not run it), and its removal unmounts it there too."""
     pod = pods[0]
     cid = start_container(crictl, configs, pod["pod"], pod["file"], "late",
                           "echo late-up; sleep 1000")
     wait_for("the late container's output", lambda: "late-up" in crictl.logs(cid).stdout)
-    qemu_mounts = pathlib.Path(f"/proc/{pod['qemu']}/mountinfo")
-    assert cid in qemu_mounts.read_text()
+    server_mounts = pathlib.Path(f"/proc/{file_server(pod['pod'])}/mountinfo")
+    assert cid in server_mounts.read_text()
     crictl.run("stop", cid)
     crictl.run("rm", cid)
-    wait_for("the late container's mounts gone from QEMU's namespace",
-             lambda: cid not in qemu_mounts.read_text())
+    wait_for("the late container's mounts gone from virtiofsd's namespace",
+             lambda: cid not in server_mounts.read_text())
 
 
 def test_the_guest_s_root_still_owns_and_modes_its_files(crictl, pods) -> None:
-    """What the capabilities kept are for: 9p file ownership, modes, set-id bits."""
+    """What virtiofsd's capabilities are for: file ownership, modes, set-id bits; and
+    what it is denied: device nodes (a guest's would be a host device node)."""
     cid = pods[1]["container"]
     result = crictl.exec(cid, "sh", "-c",
                          "cd /tmp && mkdir -p d && chown 1000:1000 d && chmod 755 d && "

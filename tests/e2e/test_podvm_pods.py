@@ -49,6 +49,12 @@ def pod_qemus(pod_id: str) -> list[int]:
     return [pid for pid in qemus() if pod_id.encode() in _cmdline(pid)]
 
 
+def pod_file_servers(pod_id: str) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and _cmdline(int(p)).startswith(b"/usr/lib/qemu/virtiofsd\0")
+            and pod_id.encode() in _cmdline(int(p))]
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -70,6 +76,7 @@ def pod_mount_namespaces(ctd: Containerd, pod_id: str) -> set[str]:
 def podvm_leftovers(ctd: Containerd, pod_id: str) -> list[str]:
     found = [f"shim {cmd}" for _, cmd in shims_of(ctd.address) if pod_id in cmd]
     found += [f"qemu {pid}" for pid in pod_qemus(pod_id)]
+    found += [f"virtiofsd {pid}" for pid in pod_file_servers(pod_id)]
     # the host's namespace (a podvm before the pod's own namespace mounted there), and
     # the pod's, seen through its processes
     for pid in ("self", *pod_processes(ctd, pod_id)):

@@ -1,7 +1,7 @@
 """Templates (shim/vm/template.py) through the CRI, as a user sees them: the first
 podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
 it and is the pod it asked for: the host's clock, its own MAC on its own network (served
-over HTTP to the host), its containers on its own 9p share. A template that no longer
+over HTTP to the host), its containers on its own virtio-fs share. A template that no longer
 restores is discarded and the pod boots instead.
 
 The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
@@ -122,10 +122,10 @@ def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
             assert date.exit_code == 0, date.stderr
             assert before - 1 <= int(date.stdout) <= after + 1, \
                 f"guest clock {date.stdout.strip()}, host {before:.0f}-{after:.0f}"
-            # Its containers are on the pod's own 9p share.
+            # Its containers are on the pod's own share (virtio-fs, the default).
             mounts = crictl.exec(cid, "cat", "/proc/mounts", timeout=30)
             assert mounts.exit_code == 0, mounts.stderr
-            assert " / 9p " in mounts.stdout, mounts.stdout
+            assert " / virtiofs " in mounts.stdout, mounts.stdout
         finally:
             remove_pod(crictl, second)
     finally:

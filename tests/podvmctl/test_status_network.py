@@ -33,3 +33,10 @@ def test_a_pod_without_interfaces_says_so() -> None:
 def test_vhost_workers_are_network_threads() -> None:
     assert status.thread_role(10, 12, "vhost-10", 9) == "net"
     assert status.thread_role(10, 11, "CPU 0/TCG", 9) == "vcpu"
+
+
+def test_virtiofsd_threads_serve_files() -> None:
+    """virtiofsd's threads all bear its name (shim/vm/virtiofsd.py), in a process of its own."""
+    assert status.thread_role(20, 20, "virtiofsd", 9) == "files"
+    assert status.thread_role(21, 23, "virtiofsd", 9) == "files"
+    assert status.thread_role(10, 10, "qemu-system-x86", 9) == "main"

@@ -1,6 +1,8 @@
 """QEMU's confinement (shim/vm/jail.py, `-sandbox`) on a real QEMU under TCG: what
 /proc says of it, what its root holds, what an attacker inside it with its rights can
-reach, and that each capability kept is needed by the 9p server (and mknod refused)."""
+reach, and that each capability kept is needed by the 9p server (and mknod refused).
+Over virtio-fs (the default) QEMU keeps no capability and sees none of the pod's files;
+with shared_fs = "virtio-9p" it keeps jail.KEEP and the shared directory."""
 from __future__ import annotations
 
 import ctypes
@@ -39,12 +41,12 @@ def status_fields(pid: int) -> dict[str, str]:
         return {k: v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
 
 
-@pytest.fixture
-async def vm(tmp_path):
+@pytest.fixture(params=["virtio-fs", "virtio-9p"])
+async def vm(tmp_path, request):
     # Another pod's state beside this one's: the jail must not show it.
     (tmp_path / "other" / "vm").mkdir(parents=True)
     (tmp_path / "other" / "vm" / "secret").write_text("another pod's")
-    qemu = QemuVM(spec(tmp_path))
+    qemu = QemuVM(spec(tmp_path, shared_fs=request.param))
     await qemu.launch()
     try:
         agent = Agent.of_vm(qemu)
@@ -55,14 +57,23 @@ async def vm(tmp_path):
         await qemu.stop()
 
 
+def kept(vm) -> tuple[str, ...]:
+    return jail.KEEP if serves_files(vm) else ()
+
+
+def serves_files(vm) -> bool:
+    return vm.spec.hypervisor.shared_fs == "virtio-9p"
+
+
 async def test_proc_shows_seccomp_no_new_privs_and_only_the_kept_capabilities(vm) -> None:
     fields = status_fields(vm.pid)
     assert fields["Seccomp"] == "2" and fields["NoNewPrivs"] == "1"
+    mask = KEEP_MASK if serves_files(vm) else 0
     for key in ("CapEff", "CapPrm", "CapBnd"):
-        assert int(fields[key], 16) == KEEP_MASK, (key, fields[key])
+        assert int(fields[key], 16) == mask, (key, fields[key])
     assert int(fields["CapInh"], 16) == 0 and int(fields["CapAmb"], 16) == 0
     assert jail.confinement(vm.pid) == {
-        "seccomp": 2, "no_new_privs": 1, "capabilities": list(jail.KEEP),
+        "seccomp": 2, "no_new_privs": 1, "capabilities": list(kept(vm)),
         "own_mount_namespace": True}
     assert sorted(jail.KEEP) == ["chown", "dac_override", "fowner", "fsetid"]
 
@@ -72,13 +83,15 @@ async def test_its_root_holds_only_the_pod_s_files(vm, tmp_path) -> None:
     q = vm.spec.hypervisor
     assert sorted(p.name for p in (root / "dev").iterdir()) == \
         ["null", "random", "urandom", "zero"]  # no /dev/kvm under TCG
-    for present in (q.path, q.kernel, q.initrd, q.image, vm.qmp_socket, vm.spec.shared_dir):
+    for present in (q.path, q.kernel, q.initrd, q.image, vm.qmp_socket):
         assert os.path.lexists(f"{root}{present}"), present
+    assert os.path.lexists(f"{root}{vm.spec.shared_dir}") == serves_files(vm)
     for absent in ("/etc/shadow", "/etc/passwd", "/var/lib/containerd", "/proc/1", "/sys/fs",
                    "/root", "/run/containerd", str(tmp_path / "other"), "/home"):
         assert not os.path.lexists(f"{root}{absent}"), absent
     assert sorted(os.listdir(root / "etc")) == ["ld.so.cache"]
-    # /proc is QEMU's own /proc/PID alone (its 9p server needs /proc/self/fd)
+    # /proc is QEMU's own /proc/PID alone (its 9p server needs /proc/self/fd, and the
+    # guest's RAM is a /proc/self/fd path)
     assert os.listdir(root / "proc") == ["self"]
     assert os.stat(root / "proc" / "self").st_ino == os.stat(f"/proc/{vm.pid}").st_ino
     with pytest.raises(OSError) as err:  # even the host's root cannot write there
@@ -89,12 +102,13 @@ async def test_its_root_holds_only_the_pod_s_files(vm, tmp_path) -> None:
     assert err.value.errno == errno.EROFS
 
 
-def _become_qemu(filtered: bool = True) -> None:
+def _become_qemu(filtered: bool = True, keep: tuple[str, ...] = jail.KEEP) -> None:
     """This process given QEMU's rights: its capabilities (effective too), no_new_privs,
     podvm's seccomp filter (`filtered`)."""
-    jail.drop_privileges(jail.KEEP)
+    jail.drop_privileges(keep)
+    mask = sum(1 << jail.CAPABILITIES.index(name) for name in keep)
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    data = (ctypes.c_uint32 * 6)(KEEP_MASK, KEEP_MASK, 0, 0, 0, 0)
+    data = (ctypes.c_uint32 * 6)(mask, mask, 0, 0, 0, 0)
     if libc().syscall(jail.SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)):
         raise OSError(ctypes.get_errno(), "capset")
     if filtered:
@@ -121,10 +135,10 @@ def _reach_processes(qemu: int, shim: int, filtered: bool) -> dict:
     return tried
 
 
-def _as_qemu_attacker(writable: list[str]) -> dict:
+def _as_qemu_attacker(writable: list[str], keep: tuple[str, ...]) -> dict:
     """In QEMU's mount namespace (setns done by in_namespace), with QEMU's rights:
     every directory that takes a new file, and each escape tried."""
-    _become_qemu()
+    _become_qemu(keep=keep)
     created = []
     for top, _, _ in os.walk("/"):
         probe = os.path.join(top, "attacker-was-here")
@@ -165,8 +179,8 @@ def _check(result: int) -> None:
 
 async def test_an_attacker_with_qemu_s_rights_in_its_namespace_writes_only_pod_files(
         vm, tmp_path) -> None:
-    writable = [vm.spec.workdir, vm.spec.shared_dir]
-    found = in_namespace(f"/proc/{vm.pid}/ns/mnt", _as_qemu_attacker, writable)
+    writable = [vm.spec.workdir, *([vm.spec.shared_dir] if serves_files(vm) else [])]
+    found = in_namespace(f"/proc/{vm.pid}/ns/mnt", _as_qemu_attacker, writable, kept(vm))
     assert set(writable) <= set(found["created"])  # a test that can fail
     outside = [d for d in found["created"]
                if not any((d + "/").startswith(w + "/") for w in writable)]
@@ -229,7 +243,7 @@ def probe_initrd(tmp_path: pathlib.Path) -> str:
 async def test_the_9p_server_needs_each_kept_capability(tmp_path, monkeypatch,
                                                         without) -> None:
     monkeypatch.setattr(jail, "KEEP", tuple(c for c in jail.KEEP if c != without))
-    s = spec(tmp_path, boot_timeout=120)
+    s = spec(tmp_path, boot_timeout=120, shared_fs="virtio-9p")
     vm = QemuVM(dataclasses.replace(s, hypervisor=dataclasses.replace(
         s.hypervisor, initrd=probe_initrd(tmp_path))))
     with pytest.raises(HypervisorError, match="exited with status 0"):
@@ -277,7 +291,11 @@ def test_the_plan_binds_the_paths_qemu_is_given_and_nothing_twice(tmp_path) -> N
     assert str(tmp_path / "linked" / "vmlinux") in binds  # the path on QEMU's command line
     assert str(tmp_path / "real" / "vmlinux") in binds  # and where it leads
     assert "/usr/share/qemu/qboot.rom" not in binds and not binds["/usr"].writable
-    assert binds[s.workdir].writable and binds[s.shared_dir].recursive
+    assert binds[s.workdir].writable and s.shared_dir not in binds  # virtiofsd serves it
+    nine_p = dataclasses.replace(s, hypervisor=dataclasses.replace(s.hypervisor,
+                                                                   shared_fs="virtio-9p"))
+    assert jail.plan(nine_p).keep == jail.KEEP and jail.plan(s).keep == ()
+    assert {b.source: b for b in jail.plan(nine_p).binds}[s.shared_dir].recursive
     assert ("/dev/kvm" in binds) == os.path.exists("/dev/kvm")
     tcg = dataclasses.replace(s, hypervisor=dataclasses.replace(s.hypervisor, accel="tcg"))
     assert "/dev/kvm" not in {b.source for b in jail.plan(tcg).binds}
@@ -287,7 +305,7 @@ async def test_without_proc_self_the_guest_cannot_create_a_file(tmp_path, monkey
     """Why the jail has /proc/self: QEMU's 9p server sets a new file's mode through
     /proc/self/fd, and without it every create fails (the guest sees ENOENT)."""
     monkeypatch.setattr(jail.Jail, "_proc_self", lambda self: None)
-    s = spec(tmp_path, boot_timeout=120)
+    s = spec(tmp_path, boot_timeout=120, shared_fs="virtio-9p")
     vm = QemuVM(dataclasses.replace(s, hypervisor=dataclasses.replace(
         s.hypervisor, initrd=probe_initrd(tmp_path))))
     with pytest.raises(HypervisorError, match="exited with status 0"):

@@ -76,10 +76,13 @@ def test_prune_removes_templates_of_changed_files_and_states_without_metadata(tm
         (store / f"{key}.json").write_text(json.dumps({"format": templates.FORMAT,
                                                         "inputs": inputs}))
         (store / f"{key}.vmstate").write_bytes(b"state")
+        (store / f"{key}.vmstate.ram").write_bytes(b"memory")
     (store / "torn.vmstate").write_bytes(b"half")
+    (store / "torn2.vmstate.ram").write_bytes(b"half")
     (store / "garbled.json").write_text("{")
     assert sorted(templates.prune(str(store))) == ["garbled", "gone", "old"]
-    assert sorted(os.listdir(store)) == [f"{current.key}.json", f"{current.key}.vmstate"]
+    assert sorted(os.listdir(store)) == [f"{current.key}.json", f"{current.key}.vmstate",
+                                         f"{current.key}.vmstate.ram"]
     assert current.exists()
 
 

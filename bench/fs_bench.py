@@ -1,0 +1,211 @@
+"""File-operation speed in a pod, podvm against runc (issue 29), on one private
+containerd: tests/e2e/fsprobe.c's `speed` (create, stat and unlink N files of 4 KiB;
+64 MiB written and fsynced, then read back) in a directory of the container's root fs and
+in a read-write hostPath volume, and busybox tar extracting 10,000 small files into the
+root fs (and removing them), timed in the container with busybox adjtimex as
+bench/net_bench.py does (busybox date has no %N).
+
+A SQLite loop is left out: Debian ships no static sqlite3 the busybox image could run.
+
+usage: python bench/fs_bench.py [--files N] [--tar-files M] [--accel tcg|kvm]
+                                [--runtime-only podvm|runc] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pathlib
+import signal
+import sys
+import tarfile
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from net_bench import loadavg, machine, parse_loop, terminated, timed_loop  # noqa: E402
+from tests.e2e.containerd import Containerd  # noqa: E402
+from tests.e2e.cri import Crictl, write_config  # noqa: E402
+from tests.e2e.netpods import pod_network_config  # noqa: E402
+from tests.e2e.test_crictl import container_config  # noqa: E402
+from tests.e2e.test_file_semantics import build_probe  # noqa: E402
+from tests.vmconfig import write_test_config  # noqa: E402
+
+RUNTIMES = ("runc", "podvm")
+ROOT_DIR = "/bench"  # in the container's root fs
+VOLUME = "/vol"
+TOOLS = "/probe"  # fsprobe and the tar, read-only
+SPEED_OPS = ("create", "stat", "unlink", "write64", "read64")
+
+
+def make_tar(path: pathlib.Path, files: int) -> None:
+    """`files` files of 512 bytes, 100 to a directory: a small source tree's shape."""
+    data = b"x" * 511 + b"\n"
+    with tarfile.open(path, "w") as tar:
+        for i in range(files):
+            info = tarfile.TarInfo(f"tree/d{i // 100:03d}/f{i:05d}")
+            info.size, info.mtime = len(data), 1700000000
+            tar.addfile(info, io.BytesIO(data))
+
+
+def parse_speed(output: str) -> dict[str, float]:
+    """fsprobe speed's lines (`create N s`, `write64 s`) as op to seconds."""
+    found = {line.split()[0]: float(line.split()[-1]) for line in output.splitlines()
+             if line.split()[:1] and line.split()[0] in SPEED_OPS}
+    if sorted(found) != sorted(SPEED_OPS):
+        raise RuntimeError(f"fsprobe speed printed {output!r}")
+    return found
+
+
+class Bench:
+    def __init__(self, ctd: Containerd, crictl: Crictl, work: pathlib.Path,
+                 tools: pathlib.Path, files: int) -> None:
+        self.ctd, self.crictl, self.work, self.tools = ctd, crictl, work, tools
+        self.files = files
+
+    def shell(self, cid: str, script: str, deadline: int = 900) -> str:
+        r = self.crictl.run("exec", "-s", "--timeout", str(deadline), cid, "sh", "-c",
+                            script, check=False, timeout=deadline + 60)
+        if r.returncode != 0:
+            raise RuntimeError(f"exec in {cid[:13]} exited {r.returncode}: "
+                               f"{r.stderr.strip()[-600:]}{r.stdout.strip()[-600:]}")
+        return r.stdout
+
+    def pod(self, runtime: str, volume: pathlib.Path) -> tuple[str, str]:
+        name = f"fs-{runtime}"
+        pod_file = write_config(self.work, f"pod-{name}.json",
+                                pod_network_config(self.ctd, self.work, name))
+        pod_id = self.crictl.runp(pod_file, runtime=None if runtime == "runc" else runtime)
+        config = dict(container_config(name, "exec sleep 3600"),
+                      mounts=[{"container_path": TOOLS, "host_path": str(self.tools),
+                               "readonly": True},
+                              {"container_path": VOLUME, "host_path": str(volume)}])
+        try:
+            cid = self.crictl.create(pod_id, write_config(self.work, f"{name}-c.json", config),
+                                     pod_file)
+            self.crictl.start(cid)
+        except BaseException:
+            self.remove(pod_id)
+            raise
+        return pod_id, cid
+
+    def remove(self, pod_id: str) -> None:
+        self.crictl.run("stopp", pod_id, check=False)
+        self.crictl.run("rmp", pod_id, check=False)
+
+    def timed(self, cid: str, command: str, what: str) -> float:
+        """Seconds `command` took in the container, between two adjtimex readings."""
+        return parse_loop(self.shell(cid, timed_loop(1, command)), 1, what)[0] / 1e6
+
+    def measure(self, runtime: str) -> dict[str, float]:
+        started = time.monotonic()
+        volume = self.work / f"volume-{runtime}"
+        volume.mkdir()
+        pod_id, cid = self.pod(runtime, volume)
+        figures: dict[str, float] = {}
+        try:
+            for place, path in (("rootfs", ROOT_DIR), ("volume", VOLUME)):
+                out = self.shell(cid, f"mkdir -p {path} && "
+                                      f"{TOOLS}/fsprobe speed {path} {self.files}")
+                figures.update({f"{op} {place}": s for op, s in parse_speed(out).items()})
+                print(f"{runtime} {place}: " + " ".join(out.split()), flush=True)
+            figures["untar rootfs"] = self.timed(
+                cid, f"mkdir {ROOT_DIR}/x && tar -xf {TOOLS}/files.tar -C {ROOT_DIR}/x",
+                f"{runtime} tar")
+            figures["rm -rf rootfs"] = self.timed(cid, f"rm -rf {ROOT_DIR}/x",
+                                                  f"{runtime} rm -rf")
+        finally:
+            self.remove(pod_id)
+        print(f"{runtime}: {time.monotonic() - started:.0f} s in all", flush=True)
+        return figures
+
+
+def rows(files: int, tar_files: int) -> list[tuple[str, str]]:
+    """(label, figure key) in the table's order."""
+    found = []
+    for place, where in (("rootfs", "root fs"), ("volume", "volume")):
+        found += [(f"create {files} files of 4 KiB, {where}", f"create {place}"),
+                  (f"stat {files} files, {where}", f"stat {place}"),
+                  (f"unlink {files} files, {where}", f"unlink {place}"),
+                  (f"write 64 MiB + fsync, {where}", f"write64 {place}"),
+                  (f"read 64 MiB back, {where}", f"read64 {place}")]
+    return found + [(f"tar -xf {tar_files} files of 512 B, root fs", "untar rootfs"),
+                    (f"rm -rf those {tar_files} files, root fs", "rm -rf rootfs")]
+
+
+def table(results: dict[str, dict[str, float]], files: int, tar_files: int) -> list[str]:
+    names = [r for r in RUNTIMES if r in results]
+    labels = rows(files, tar_files)
+    width = max(len(label) for label, _ in labels)
+    head = f"{'operation':<{width}}" + "".join(f"  {n + ' s':>10}" for n in names)
+    lines = [head + (f"  {'podvm/runc':>10}" if len(names) == 2 else "")]
+    for label, key in labels:
+        line = f"{label:<{width}}" + "".join(f"  {results[n][key]:>10.3f}" for n in names)
+        if len(names) == 2:
+            runc = results["runc"][key]
+            line += f"  {results['podvm'][key] / runc if runc else float('nan'):>10.1f}"
+        lines.append(line)
+    return lines
+
+
+def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="podvm-fs-bench-") as tmp:
+        work = pathlib.Path(tmp)
+        tools = work / "tools"
+        tools.mkdir()
+        build_probe(tools)
+        make_tar(tools / "files.tar", args.tar_files)
+        config = write_test_config(work / "podvm.toml", accel=args.accel,
+                                   template_path=str(work / "templates"))
+        ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
+                         podvm_config=config)
+        with ctd:
+            ctd.import_cri_images(work)
+            bench = Bench(ctd, Crictl(ctd.cri_endpoint, timeout="120s"), work, tools,
+                          args.files)
+            for runtime in args.runtimes:  # one pod at a time: nothing else runs
+                results[runtime] = bench.measure(runtime)
+        if ctd.forced:
+            print(f"warning: the harness had to force its cleanup: {ctd.forced}",
+                  file=sys.stderr)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=2000,
+                        help="files created, stat'ed and unlinked per place (default 2000)")
+    parser.add_argument("--tar-files", type=int, default=10000,
+                        help="files in the extracted tar (default 10000)")
+    parser.add_argument("--accel", default="tcg", help="podvm's QEMU accel (default tcg)")
+    parser.add_argument("--runtime-only", choices=RUNTIMES, help="measure one runtime")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    args = parser.parse_args()
+    if args.files < 1 or args.tar_files < 1:
+        parser.error("--files and --tar-files must be at least 1")
+    args.runtimes = (args.runtime_only,) if args.runtime_only else RUNTIMES
+    signal.signal(signal.SIGTERM, terminated)  # unwinds like Ctrl-C: everything removed
+    load_before = loadavg()
+    results = run(args)
+    print()
+    print(f"machine: {machine(args.accel)}; load average {load_before} before, "
+          f"{loadavg()} after")
+    print("\n".join(table(results, args.files, args.tar_files)))
+    print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "
+          "tar and rm: busybox adjtimex around the command); read 64 MiB follows the "
+          "write, nothing dropped")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"machine": machine(args.accel), "files": args.files,
+             "tar_files": args.tar_files, "seconds": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # everything is removed by then
+        print("fs_bench: interrupted; pods and containerd removed", file=sys.stderr)
+        sys.exit(130)

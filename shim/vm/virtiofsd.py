@@ -1,0 +1,167 @@
+"""The pod's file server: a virtiofsd per pod that serves its shared directory (the
+read-only view shim/host/share.py builds, with each container's rootfs and volumes
+attached in it) to the guest's virtio-fs device over a vhost-user socket in the VM's work
+directory. Started before QEMU, with QEMU's `preexec` (the sandbox cgroup, so what it
+uses is the pod's); it ends by itself when QEMU's connection goes, and is killed with the
+VM otherwise.
+
+What it is allowed, and why (docs/design.md, "Rooms and floors" names the room):
+- sandbox=namespace: it pivots into the shared directory in mount, PID and network
+  namespaces of its own, under its own seccomp filter, so a guest that took it over
+  reaches the pod's files and nothing else;
+- modcaps=-mknod:-setfcap: a guest device node would be a host device node in the pod's
+  files, a guest's file capability one the host honours; FIFOs and sockets need none;
+- every other extended attribute the guest sets is stored under `user.virtiofs.`
+  (XATTR_MAP): a guest's `trusted.overlay.*` or `security.*` means nothing to the host,
+  and the host's own attributes are hidden from the guest, but for the image's file
+  capabilities, which the guest reads (and honours in the guest, as runc's host would);
+- posix_lock and flock: record and whole-file locks, held in the host's kernel;
+- announce_submounts: each volume is its own file system in the guest (st_dev, statfs);
+- --rlimit-nofile at the inherited hard limit (it holds a descriptor per file the guest
+  looks up, and raising the hard limit would need CAP_SYS_RESOURCE)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import signal
+from typing import Callable
+
+import psutil
+
+from .hypervisor import HypervisorError, VMSpec
+from .qemu_command import virtio_fs_socket
+
+log = logging.getLogger("podvm.virtiofsd")
+
+XATTR_MAP = ":ok:all:security.capability:::map::user.virtiofs.:"
+"""security.capability as it is (QEMU 7.2's virtiofsd fails every chown, EBADF, once that
+name is remapped), which it cannot set (no setfcap); every other name under
+`user.virtiofs.`."""
+START_TIMEOUT = 10  # seconds: a host process binding a socket, not a guest booting
+_LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags
+
+
+def command(spec: VMSpec) -> list[str]:
+    q = spec.hypervisor
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1_000_000)
+    return [q.virtio_fs_daemon, f"--socket-path={virtio_fs_socket(spec.workdir)}",
+            "-o", f"source={spec.shared_dir}", "-o", f"cache={q.virtio_fs_cache}",
+            "-o", "sandbox=namespace", "-o", "modcaps=-mknod:-setfcap",
+            "-o", f"xattrmap={XATTR_MAP}", "-o", "posix_lock", "-o", "flock",
+            "-o", "announce_submounts", "-o", "allow_direct_io",
+            f"--rlimit-nofile={nofile}"]
+
+
+def log_path(spec: VMSpec) -> str:
+    return os.path.join(spec.workdir, "virtiofsd.log")
+
+
+class FileServer:
+    def __init__(self, spec: VMSpec) -> None:
+        self.spec = spec
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    async def start(self, preexec: Callable[[], None] | None) -> None:
+        """virtiofsd running and listening on its socket; HypervisorError with its own
+        words when it does not get there."""
+        sock = virtio_fs_socket(self.spec.workdir)
+        try:
+            os.unlink(sock)
+        except FileNotFoundError:
+            pass
+        cmd = command(self.spec)
+        log.info("starting virtiofsd: %s", " ".join(cmd))
+        out = open(log_path(self.spec), "ab")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True, preexec_fn=preexec)
+        except OSError as exc:
+            raise HypervisorError(f"cannot run virtiofsd {cmd[0]}: {exc.strerror} (install "
+                                  f"qemu-system-common or set virtio_fs_daemon)") from None
+        finally:
+            out.close()
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                while not _listening(sock):
+                    if self._proc.returncode is not None:
+                        raise HypervisorError(
+                            f"virtiofsd of sandbox {self.spec.sandbox_id} exited with status "
+                            f"{self._proc.returncode}: {self.said()}")
+                    await asyncio.sleep(0.002)
+        except TimeoutError:
+            await self.stop()
+            raise HypervisorError(f"virtiofsd of sandbox {self.spec.sandbox_id} did not "
+                                  f"listen on {sock} within {START_TIMEOUT} s: "
+                                  f"{self.said()}") from None
+        except BaseException:
+            await self.stop()
+            raise
+
+    def said(self, size: int = 1000) -> str:
+        try:
+            with open(log_path(self.spec), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+                return f.read().decode(errors="replace").strip() or "(nothing)"
+        except OSError:
+            return "(no log)"
+
+    def pids(self) -> list[int]:
+        """It and the child it serves from (in a PID namespace of its own)."""
+        if self.pid <= 0 or (self._proc is not None and self._proc.returncode is not None):
+            return []
+        try:
+            return [self.pid, *(p.pid for p in psutil.Process(self.pid).children(True))]
+        except psutil.NoSuchProcess:
+            return []
+
+    def threads(self) -> list[int]:
+        tids: list[int] = []
+        for pid in self.pids():
+            try:
+                tids.extend(t.id for t in psutil.Process(pid).threads())
+            except psutil.NoSuchProcess:
+                pass
+        return sorted(tids)
+
+    async def stop(self, timeout: float = 2) -> None:
+        """Gone; it normally ends by itself once QEMU has hung up."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+            return
+        except TimeoutError:
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+                return
+            except TimeoutError:
+                log.warning("virtiofsd %d did not end on signal %d", proc.pid, sig)
+
+
+def _listening(path: str) -> bool:
+    """A unix socket bound at `path` is listening (connecting to find out would take
+    virtiofsd's one connection)."""
+    try:
+        with open("/proc/self/net/unix") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7] == path and int(fields[3], 16) & _LISTENING:
+                    return True
+    except OSError:
+        pass
+    return False

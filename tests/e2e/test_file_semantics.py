@@ -1,0 +1,139 @@
+"""File semantics ordinary programs rely on (issue 29), podvm held to runc through
+containerd's CRI: tests/e2e/fsprobe.c runs every case in a directory of the container's
+root fs and in a read-write hostPath volume, in a runc pod (the reference: every case
+must pass there) and in a podvm pod (every case that passes on runc must pass there).
+
+Real containerd, QEMU under TCG and the guest image; runs with the real crictl too:
+CRICTL=/path/to/crictl."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+
+from tests.conftest import require_tool
+
+from .cri import write_config
+from .test_crictl import container_config, pod_config
+from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
+
+PROBE_SOURCE = pathlib.Path(__file__).with_name("fsprobe.c")
+ROOT_DIR = "/probe-root-dir"  # made with mkdir in the container's root fs, by run_probe
+VOLUME = "/vol"
+PLACES = {"rootfs": ROOT_DIR, "volume": VOLUME}
+CASES = 16  # fsprobe's, each one line
+# Cases runc itself cannot pass here, with why; none today.
+NOT_ON_RUNC: dict[str, str] = {}
+# Cases podvm fails where runc passes, with why: each must still fail as said (remove it
+# from here when it passes), every other case must pass.
+KNOWN_GAPS = {
+    "o_tmpfile": ("Operation not supported", "the guest kernel's FUSE (Linux 6.1, so "
+                  "virtio-fs) has no tmpfile operation; glibc's tmpfile() falls back"),
+}
+
+
+def build_probe(directory: pathlib.Path) -> pathlib.Path:
+    """fsprobe, static: the busybox image has no libc."""
+    gcc = require_tool("gcc", "gcc")
+    binary = directory / "fsprobe"
+    built = subprocess.run([gcc, "-static", "-O2", "-o", str(binary), str(PROBE_SOURCE)],
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, f"gcc -static {PROBE_SOURCE}:\n{built.stderr}"
+    return binary
+
+
+@pytest.fixture(scope="module")
+def probe_dir(tmp_path_factory) -> pathlib.Path:
+    directory = tmp_path_factory.mktemp("fsprobe-bin")
+    build_probe(directory)
+    return directory
+
+
+def probe_container(name: str, probe_dir: pathlib.Path, volume: pathlib.Path) -> dict:
+    """A container with fsprobe at /probe (read-only) and `volume` at VOLUME."""
+    return dict(container_config(name, "exec sleep 3600"),
+                mounts=[{"container_path": "/probe", "host_path": str(probe_dir),
+                         "readonly": True},
+                        {"container_path": VOLUME, "host_path": str(volume)}])
+
+
+def run_probe(crictl, cid: str, *args: str, deadline: int = 150) -> str:  # noqa: F811
+    """fsprobe's output, its directory made first; the shell exits 0 whatever fsprobe
+    does, so that the real crictl too gives back its stdout, and says fsprobe's status
+    last."""
+    script = (f"mkdir -p {args[1]} && /probe/fsprobe {' '.join(args)} 2>&1; "
+              f"echo \"fsprobe exited $?\"")
+    r = crictl.exec(cid, "sh", "-c", script, timeout=deadline)
+    assert r.exit_code == 0 and "fsprobe exited" in r.stdout, r
+    return r.stdout
+
+
+def cases(output: str) -> dict[str, str]:
+    """Case name to fsprobe's line about it."""
+    found = {}
+    for line in output.splitlines():
+        verdict, _, rest = line.partition(" ")
+        if verdict in ("ok", "FAIL"):
+            found[rest.split(":", 1)[0].split()[0]] = line
+    return found
+
+
+def probe_pod(ctd, crictl, configs, probe_dir, tmp_path_factory,  # noqa: F811
+              runtime: str) -> dict[str, dict[str, str]]:
+    """Both places' cases in one pod of `runtime` (one container, one VM for podvm);
+    the pod is removed before this returns."""
+    volume = tmp_path_factory.mktemp(f"fsprobe-vol-{runtime}")
+    name = f"fs-{runtime}"
+    pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name))
+    pod_id = crictl.runp(pod_file, runtime=None if runtime == "runc" else runtime)
+    try:
+        cfile = write_config(configs, f"{name}-c.json", probe_container(name, probe_dir, volume))
+        cid = crictl.create(pod_id, cfile, pod_file)
+        crictl.start(cid)
+        found = {place: cases(run_probe(crictl, cid, "semantics", path))
+                 for place, path in PLACES.items()}
+    finally:
+        remove_pod(crictl, pod_id)
+    assert list(volume.iterdir()) == [], "fsprobe left files in the volume"
+    return found
+
+
+@pytest.fixture(scope="module")
+def runc_cases(ctd, crictl, configs, probe_dir, tmp_path_factory):  # noqa: F811
+    require_tool("runc", "runc")
+    require_tool("containerd-shim-runc-v2", "containerd")
+    return probe_pod(ctd, crictl, configs, probe_dir, tmp_path_factory, "runc")
+
+
+@pytest.fixture(scope="module")
+def podvm_cases(ctd, crictl, configs, probe_dir, tmp_path_factory):  # noqa: F811
+    return probe_pod(ctd, crictl, configs, probe_dir, tmp_path_factory, "podvm")
+
+
+def test_fsprobe_checks_every_case_on_the_host(probe_dir, tmp_path) -> None:
+    """The probe itself, on the host's own file system: every case passes."""
+    out = subprocess.run([str(probe_dir / "fsprobe"), "semantics", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(cases(out.stdout)) == CASES and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_every_case_passes_on_runc(runc_cases, place) -> None:
+    failed = [line for case, line in runc_cases[place].items()
+              if not line.startswith("ok ") and case not in NOT_ON_RUNC]
+    assert len(runc_cases[place]) == CASES and failed == [], "\n".join(failed)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_podvm_passes_every_case_runc_passes(runc_cases, podvm_cases, place) -> None:
+    required = [case for case, line in runc_cases[place].items()
+                if line.startswith("ok ") and case not in KNOWN_GAPS]
+    got = podvm_cases[place]
+    failed = [got.get(case, f"MISSING {case}: fsprobe printed no line")
+              for case in required if not got.get(case, "").startswith("ok ")]
+    assert failed == [], (f"{len(failed)} of {len(required)} cases fail on podvm in the "
+                          f"{place} ({PLACES[place]}):\n" + "\n".join(failed))
+    for case, (said, why) in KNOWN_GAPS.items():
+        assert got[case].startswith("FAIL ") and said in got[case], (case, got[case], why)

@@ -1,0 +1,103 @@
+"""The pod's file server (shim/vm/virtiofsd.py) beside a real QEMU under TCG: the guest's
+RAM is shared with it, its threads are the VM's (role `files`), it goes with the VM, and
+every way it fails to come up is said. And the command lines: the virtio-fs device on a
+booted VM, none on one to be saved (QEMU 7.2 cannot save it), its root port on both;
+9p only where the configuration names it."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import psutil
+import pytest
+
+from shim.vm import qemu_command, virtiofsd
+from shim.vm.agent import Agent
+from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
+from shim.vm.qemu import QemuVM
+from tests.vm.test_qemu import spec
+
+
+def _servers(marker: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if (p.info["cmdline"] or [""])[0].endswith("virtiofsd")
+            and any(marker in a for a in p.info["cmdline"])]
+
+
+async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_path) -> None:
+    vm = QemuVM(spec(tmp_path))
+    await vm.launch()
+    try:
+        agent = Agent.of_vm(vm)
+        await agent.ping(timeout=30)
+        await agent.close()
+        maps = pathlib.Path(f"/proc/{vm.pid}/maps").read_text().splitlines()
+        ram = [m.split()[1] for m in maps if "memfd:" in m and m.split()[-2] != "0"]
+        assert ram and set(ram) == {"rw-s"}, ram  # shared: virtiofsd maps it too
+        roles = await vm.threads()
+        assert roles[ThreadRole.FILES] and vm.helper_pids
+        for pid in vm.helper_pids:
+            assert {t.id for t in psutil.Process(pid).threads()} <= set(roles[ThreadRole.FILES])
+        sock = qemu_command.virtio_fs_socket(vm.spec.workdir)
+        assert _servers(sock) == sorted(vm.helper_pids)
+    finally:
+        await vm.stop()
+    assert _servers(sock) == []  # gone with the VM
+
+
+async def test_a_missing_virtiofsd_is_named_before_anything_starts(tmp_path) -> None:
+    vm = QemuVM(spec(tmp_path, virtio_fs_daemon="/nonexistent/virtiofsd"))
+    with pytest.raises(MissingFile, match="virtio_fs_daemon /nonexistent/virtiofsd does not "
+                                          "exist: install the qemu-system-common package"):
+        await vm.launch()
+    assert not os.path.exists(vm.spec.workdir)
+
+
+async def test_a_virtiofsd_that_exits_at_start_is_quoted_and_qemu_never_runs(tmp_path) -> None:
+    fake = tmp_path / "virtiofsd"
+    fake.write_text("#!/bin/sh\necho 'fuse: cannot set up the sandbox' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    vm = QemuVM(spec(tmp_path, virtio_fs_daemon=str(fake)))
+    with pytest.raises(HypervisorError, match="virtiofsd of sandbox hv-test exited with "
+                                              "status 3: fuse: cannot set up the sandbox"):
+        await vm.launch()
+    assert vm._proc is None
+
+
+async def test_a_virtiofsd_that_never_listens_is_stopped_and_said(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(virtiofsd, "START_TIMEOUT", 0.5)
+    fake = tmp_path / "virtiofsd"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    vm = QemuVM(spec(tmp_path, virtio_fs_daemon=str(fake)))
+    with pytest.raises(HypervisorError, match="did not listen on .*virtiofs.sock within"):
+        await vm.launch()
+    assert vm._proc is None and _servers(str(tmp_path)) == []
+
+
+def test_the_device_is_on_a_booted_vm_and_not_on_one_to_be_saved(tmp_path) -> None:
+    booted = spec(tmp_path)
+    line = " ".join(qemu_command.command(booted))
+    port = f"pcie-root-port,id={qemu_command.FS_PORT}"
+    assert port in line and "vhost-user-fs-pci" in line and "virtio-9p" not in line
+    assert f"memory-backend-memfd,id={qemu_command.RAM},size=256M,share=on" in line
+    assert "podvm_share=virtiofs" in line
+    for template in (dataclasses.replace(booted, template=True, saved=True),
+                     dataclasses.replace(booted, template=True)):  # saved, restored
+        line = " ".join(qemu_command.command(template))
+        assert port in line and "vhost-user-fs-pci" not in line
+    restored = dataclasses.replace(booted, template=True, memory_path="/proc/self/fd/9")
+    assert "memory-backend-file,mem-path=/proc/self/fd/9,id=ram,size=256M,share=on" in \
+        " ".join(qemu_command.command(restored))
+    device = qemu_command.virtio_fs_device()
+    assert device["bus"] == qemu_command.FS_PORT and device["tag"] == qemu_command.SHARE_TAG
+
+
+def test_9p_only_where_the_configuration_names_it(tmp_path) -> None:
+    nine_p = spec(tmp_path, shared_fs="virtio-9p")
+    line = " ".join(qemu_command.command(nine_p))
+    assert "virtio-9p-pci" in line and "vhost-user-fs" not in line and "pcie-root-port" \
+        not in line and "podvm_share=9p" in line
+    assert virtiofsd.command(spec(tmp_path))[1:3] == [
+        f"--socket-path={tmp_path}/vm/virtiofs.sock", "-o"]
