@@ -7,8 +7,11 @@ bench/net_bench.py does (busybox date has no %N).
 
 A SQLite loop is left out: Debian ships no static sqlite3 the busybox image could run.
 
+`--shared-fs virtio-9p` measures podvm's fallback (its old default) instead.
+
 usage: python bench/fs_bench.py [--files N] [--tar-files M] [--accel tcg|kvm]
-                                [--runtime-only podvm|runc] [--json FILE]
+                                [--runtime-only podvm|runc] [--shared-fs virtio-fs|virtio-9p]
+                                [--json FILE]
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from net_bench import loadavg, machine, parse_loop, terminated, timed_loop  # noqa: E402
+from shim.config import SHARED_FS  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import pod_network_config  # noqa: E402
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         build_probe(tools)
         make_tar(tools / "files.tar", args.tar_files)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
-                                   template_path=str(work / "templates"))
+                                   template_path=str(work / "templates"),
+                                   shared_fs=args.shared_fs)
         ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
                          podvm_config=config)
         with ctd:
@@ -181,6 +186,8 @@ def main() -> int:
                         help="files in the extracted tar (default 10000)")
     parser.add_argument("--accel", default="tcg", help="podvm's QEMU accel (default tcg)")
     parser.add_argument("--runtime-only", choices=RUNTIMES, help="measure one runtime")
+    parser.add_argument("--shared-fs", choices=SHARED_FS, default=SHARED_FS[0],
+                        help="how podvm shares the files (default virtio-fs)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
     if args.files < 1 or args.tar_files < 1:
@@ -190,8 +197,8 @@ def main() -> int:
     load_before = loadavg()
     results = run(args)
     print()
-    print(f"machine: {machine(args.accel)}; load average {load_before} before, "
-          f"{loadavg()} after")
+    print(f"machine: {machine(args.accel)}; podvm's shared_fs {args.shared_fs}; load "
+          f"average {load_before} before, {loadavg()} after")
     print("\n".join(table(results, args.files, args.tar_files)))
     print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "
           "tar and rm: busybox adjtimex around the command); read 64 MiB follows the "

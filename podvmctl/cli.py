@@ -8,6 +8,7 @@ import json
 import sys
 
 from shim import __version__, config
+from shim.vm import templatestore
 from . import status
 
 
@@ -35,6 +36,31 @@ def _status(args: argparse.Namespace) -> int:
         print(f"podvmctl: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else status.render(report))
+    return 0
+
+
+def _templates(args: argparse.Namespace) -> int:
+    try:
+        directory = config.load(args.config or "").qemu.template_path
+    except config.ConfigError as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 1
+    for key in args.remove or []:
+        if not templatestore.remove(directory, key):
+            print(f"podvmctl: template {key} is being made: not removed", file=sys.stderr)
+            return 1
+        print(f"removed template {key}")
+    found = templatestore.listing(directory)
+    if args.json:
+        print(json.dumps(found, indent=2))
+    elif not args.remove:
+        print(f"{len(found)} templates in {directory}, "
+              f"{sum(t['bytes'] for t in found) >> 20} MiB, least recently used first")
+        for t in found:
+            shape = " ".join(f"{k} {v}" for k, v in t["shape"].items())
+            print(f"{t['key']}  {t['bytes'] >> 20:>5} MiB  {t['hits']:>6} hits  last used "
+                  f"{templatestore.age(t['last_use']):>9}  made by {t['made_by'] or '-'}"
+                  f"  {shape}")
     return 0
 
 
@@ -105,6 +131,16 @@ def parser() -> argparse.ArgumentParser:
                     help="a RuntimeClass podvm serves (repeat; default: podvm)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=_plan)
+    t = sub.add_parser("templates", help="list or remove the saved VM templates",
+                       description="List the templates in template_path (the VM shape, "
+                                   "size on disk, hits, last use, which pod made it), least "
+                                   "recently used first; --remove KEY removes one (a pod "
+                                   "restoring it meanwhile reads on; one being made is "
+                                   "refused).")
+    t.add_argument("--config", help="configuration file instead of the lookup order")
+    t.add_argument("--remove", action="append", metavar="KEY", help="remove it (repeat)")
+    t.add_argument("--json", action="store_true", help="print JSON")
+    t.set_defaults(func=_templates)
     return p
 
 

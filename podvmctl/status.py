@@ -66,6 +66,7 @@ def collect(state_dir: str) -> dict:
     shim_pid = shim_pid if isinstance(shim_pid, int) else 0
     report: dict = {"sandbox_id": state.sandbox_id, "namespace": namespace,
                     "qemu_pid": state.qemu_pid, "shim_pid": shim_pid,
+                    "restored_from": state.restored_from,
                     "qmp_socket": state.qmp_socket, "plan": asdict(state.plan),
                     "vm": asdict(state.vm) if state.vm is not None else {},
                     "network": {"netns": state.netns, "taps": list(state.taps),
@@ -229,6 +230,8 @@ def render(report: dict) -> str:
                      f"{vm.get('qemu_memory_mib', '?')} MiB; the guest has "
                      f"{vm.get('online_cpus')} vCPUs online, MemTotal "
                      f"{vm.get('memory_total_mib')} MiB" + _kernel_keeps(vm))
+        lines.append(f"  restored from template {report['restored_from']}"
+                     if report.get("restored_from") else "  booted (no template)")
     lines += _confinement_lines(report.get("confinement"))
     lines += _network_lines(report.get("network") or {})
     k8s = kubernetes_view(plan)

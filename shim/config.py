@@ -44,6 +44,10 @@ class HypervisorConfig:
     a shape boots one and saves it (shim/vm/template.py)."""
     template_path: str = "/var/lib/podvm/templates"
     """Where templates are kept: one saved state per VM shape and guest image."""
+    template_max_count: int = 8
+    """The most templates kept; the least recently used go first (then pods boot)."""
+    template_max_mib: int = 1024
+    """The most MiB templates take on disk, holes not counted."""
     console_log_max_kib: int = 256
     """The most of the guest's serial console kept in its console.log (the newest
     output; shim/vm/console.py)."""
@@ -239,12 +243,7 @@ def _check(config: Config, source: str) -> None:
     if q.enable_template and not os.path.isabs(q.template_path):
         raise ConfigError(f"{where} template_path must be an absolute path, got "
                           f"{q.template_path!r}")
-    if q.shared_fs not in SHARED_FS:
-        raise ConfigError(f"{where} shared_fs must be one of {', '.join(SHARED_FS)}, "
-                          f"got {q.shared_fs!r}")
-    if q.virtio_fs_cache not in _FS_CACHES:
-        raise ConfigError(f"{where} virtio_fs_cache must be one of {', '.join(_FS_CACHES)}, "
-                          f"got {q.virtio_fs_cache!r}")
+    _check_share_and_templates(q, where)
     if q.seccompsandbox and not q.seccompsandbox.startswith("on"):
         raise ConfigError(f"{where} seccompsandbox must be \"\" (off) or QEMU's -sandbox "
                           f"option starting with \"on\", got {q.seccompsandbox!r}")
@@ -256,6 +255,19 @@ def _check(config: Config, source: str) -> None:
     if q.boot_timeout < 1:
         raise ConfigError(f"{where} boot_timeout must be at least 1 second, "
                           f"got {q.boot_timeout}")
+
+
+def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
+    if q.template_max_count < 0 or q.template_max_mib < 0:
+        raise ConfigError(f"{where} template_max_count and template_max_mib must be 0 (no "
+                          f"templates) or more, got {q.template_max_count} and "
+                          f"{q.template_max_mib}")
+    if q.shared_fs not in SHARED_FS:
+        raise ConfigError(f"{where} shared_fs must be one of {', '.join(SHARED_FS)}, "
+                          f"got {q.shared_fs!r}")
+    if q.virtio_fs_cache not in _FS_CACHES:
+        raise ConfigError(f"{where} virtio_fs_cache must be one of {', '.join(_FS_CACHES)}, "
+                          f"got {q.virtio_fs_cache!r}")
 
 
 def _check_kernel_params(params: str, where: str) -> None:

@@ -53,7 +53,7 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     `runtime`: keys of its [runtime] section."""
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
-    for key in ("kernel", "initrd", "image", "accel", "template_path"):
+    for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",

@@ -85,6 +85,21 @@ def _mountinfo() -> Iterator[tuple[str, tuple[str, ...]]]:
             yield os.fsdecode(point), tuple(fields[5].decode().split(","))
 
 
+def fstype_of(path: str) -> str:
+    """The file system type of the mount `path` (resolved) is on, "" when none is found."""
+    path = os.path.realpath(path)
+    best, fstype = "", ""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = os.fsdecode(re.sub(rb"\\([0-7]{3})",
+                                       lambda m: bytes([int(m[1], 8)]), fields[4]))
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):  # the deepest, the last of a stack
+                best, fstype = point, fields[fields.index(b"-") + 1].decode()
+    return fstype
+
+
 def mounts_under(path: str) -> list[str]:
     """Mount points at or below `path`, deepest first (the order to unmount them in)."""
     prefix = path.rstrip("/")

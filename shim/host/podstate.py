@@ -78,6 +78,8 @@ class PodState:
     """What CNI configured in it, as bridged into the VM."""
     taps: tuple[str, ...] = ()
     """podvm's taps in the namespace."""
+    restored_from: str = ""
+    """The key of the template the VM was restored from; "" when it booted."""
     version: int = VERSION
 
     def __post_init__(self) -> None:

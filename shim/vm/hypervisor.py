@@ -86,6 +86,20 @@ def memory_file(state: str) -> str:
     return f"{state}.ram"
 
 
+@dataclass(frozen=True)
+class SavedVM:
+    """A VM that save() wrote, and the digests its two files had then (SHA-256, as
+    shim/vm/stateload.py computes them): launch() loads neither unless it still has
+    them."""
+    state: str
+    state_sha256: str
+    memory_sha256: str
+
+    @property
+    def memory(self) -> str:
+        return memory_file(self.state)
+
+
 def template_mac(index: int) -> str:
     """NIC `index`'s MAC in a template's VM and in those restored from it (locally
     administered, "pod" in its middle); the agent's Resume gives each NIC the pod's."""
@@ -126,12 +140,13 @@ class VM(abc.ABC):
 
     @abc.abstractmethod
     async def launch(self, preexec: Callable[[], None] | None = None,
-                     restore_from: str = "") -> None:
+                     restore_from: SavedVM | None = None) -> None:
         """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
         enters there) and return once the guest agent's port is open; BootTimeout (VM
-        killed) when the guest does not get there in time. `restore_from`: a template's
-        saved state (save()) loaded instead of booting the guest, into a VM whose spec
-        has `template` set; RestoreFailed (VM stopped) when the VMM refuses it."""
+        killed) when the guest does not get there in time. `restore_from`: a saved VM
+        (save()) loaded instead of booting the guest, into a VM whose spec has
+        `template` set; RestoreFailed (VM stopped) when a file of it changed since it
+        was saved, or the VMM refuses it."""
 
     @abc.abstractmethod
     async def save(self, path: str) -> None:

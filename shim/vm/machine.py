@@ -27,7 +27,7 @@ from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import PlanDelta, SandboxPlan
 from . import guestspec, resize, vmm
-from . import template as templates
+from . import template as templates, templatestore
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
 
@@ -126,6 +126,8 @@ class Machine:
             raise
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
+        if template is not None:
+            self.record(restored_from=template.key)
         self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
 
     def _spec(self) -> VMSpec:
@@ -183,23 +185,33 @@ class Machine:
         booted. self.vm is the VM started (or being started)."""
         preexec = self.cgroup.preexec()
         # A static VM is the confidential one: it shares no memory with other pods.
-        if self.config.qemu.enable_template and \
-                not self.config.runtime.static_sandbox_resource_mgmt:
+        q = self.config.qemu
+        if q.enable_template and not self.config.runtime.static_sandbox_resource_mgmt and \
+                templatestore.store_trusted(q.template_path):
             template = templates.of(vm.spec)
             lock = None if template.exists() else template.lock()
+            if lock is not None and not templatestore.make_room(
+                    q.template_path, vm.spec.memory_mib << 20, q.template_max_count,
+                    q.template_max_mib << 20):
+                log.info("sandbox %s: no room for a template of its shape (template_max_"
+                         "count, template_max_mib, or the disk); booting", self.id)
+                lock.release()
+                lock = None
             try:
                 if lock is not None:
                     try:
-                        await template.make(vm.spec, preexec)
+                        await template.make(vm.spec, preexec, q.template_max_count,
+                                            q.template_max_mib << 20)
                     except templates.NotSaved as exc:
                         log.warning("sandbox %s: %s; booting", self.id, exc)
                 if template.exists():
                     self.vm = restored = vmm.create(
                         dataclasses.replace(vm.spec, template=True))
                     try:
-                        await restored.launch(preexec=preexec, restore_from=template.state)
+                        await restored.launch(preexec=preexec, restore_from=template.saved())
                         log.info("sandbox %s: VM restored from template %s", self.id,
                                  template.key)
+                        template.record_use()
                         return template
                     except RestoreFailed as exc:
                         template.discard(str(exc))

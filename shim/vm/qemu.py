@@ -20,8 +20,8 @@ from ..host.libc import last_errno, libc
 from ..host.processes import peek_exit
 from . import jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state
 from .console import ConsoleLog
-from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, ThreadRole, VM, VMExited,
-                         VMSpec)
+from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, SavedVM, ThreadRole, VM,
+                         VMExited, VMSpec)
 from .virtiofsd import FileServer
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
@@ -51,9 +51,8 @@ class QemuVM(VM):
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._booted = False
         self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
-        self._restore_from = ""
+        self._restore_from: SavedVM | None = None
         self._console: ConsoleLog | None = None
-        self._preexec: Callable[[], None] | None = None
         self._files: FileServer | None = None
         self._memory: asyncio.Future[None] | None = None
 
@@ -101,14 +100,14 @@ class QemuVM(VM):
     def helper_pids(self) -> list[int]:
         return self._files.pids() if self._files is not None else []
 
-    async def launch(self, preexec=None, restore_from: str = "") -> None:
-        """`restore_from`: a template's saved state (shim/vm/template.py) that
-        QEMU loads instead of booting the guest; RestoreFailed when that fails."""
+    async def launch(self, preexec=None, restore_from: SavedVM | None = None) -> None:
+        """`restore_from`: a template's saved VM (shim/vm/template.py) that QEMU loads
+        instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
         for path in (self.agent_socket, self.qmp_socket):
             _unlink(path)
-        self._restore_from, self._preexec = restore_from, preexec
+        self._restore_from = restore_from
         if self.spec.hypervisor.shared_fs == "virtio-fs" and not self.spec.saved:
             self._files = FileServer(self.spec)
             await self._files.start(preexec)
@@ -124,7 +123,7 @@ class QemuVM(VM):
             raise
         finally:
             if memfd >= 0:
-                os.close(memfd)  # QEMU and dd have their own
+                os.close(memfd)  # QEMU and the copy have their own
 
     async def _spawn(self, preexec: Callable[[], None] | None, fds: list[int]) -> None:
         """QEMU started, confined, and attached until the guest's agent port is open."""
@@ -163,7 +162,8 @@ class QemuVM(VM):
             # not the template's fault and fails the pod as it would a boot.
             refused = self._proc.returncode is not None and self._proc.returncode > 0
             if restore_from and self._boot_stage == LOADING and refused:
-                raise RestoreFailed(f"the template {restore_from} did not restore: {exc}") \
+                raise RestoreFailed(f"the template {restore_from.state} did not restore: "
+                                    f"{exc}") \
                     from None
             raise
 
@@ -262,7 +262,7 @@ class QemuVM(VM):
                 await qemu_hotplug.add_virtio_fs(self._execute, self.spec.workdir)
             self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
             await qmp.execute("cont")
-            log.info("guest agent port open (restored from %s)", self._restore_from)
+            log.info("guest agent port open (restored from %s)", self._restore_from.state)
             self._booted = True
             return
         with qmp.listener(names=("VSERPORT_CHANGE",)) as port_events:
@@ -276,10 +276,10 @@ class QemuVM(VM):
                     self._booted = True
                     return
 
-    async def _load(self, path: str) -> None:
+    async def _load(self, saved: SavedVM) -> None:
         assert self._qmp is not None and self._memory is not None
-        await self._memory  # the guest's RAM, copied meanwhile
-        await qemu_state.load(self._qmp, self._execute, path, self._preexec)
+        await self._memory  # the guest's RAM, copied and checked meanwhile
+        await qemu_state.load(self._qmp, self._execute, saved)
 
     async def save(self, path: str) -> None:
         """The VM stopped and its state written to `path` (shim/vm/qemu_state.py)."""

@@ -2,8 +2,9 @@
 migration stream over a descriptor passed on QMP, without memory. The guest's RAM is
 shared (virtiofsd maps it), and shared RAM is what x-ignore-shared leaves out: a
 template's RAM is the file its VM ran on (hypervisor.memory_file beside the state), and a
-restored VM runs on a copy of it, a memfd the shim fills (copy_memory) while QEMU starts.
-The root image's memory is not saved either: every VM maps the same file."""
+restored VM runs on a copy of it, a memfd the shim fills while QEMU starts. Both files are
+checked against their digests as they are read (shim/vm/stateload.py). The root image's
+memory is not saved either: every VM maps the same file."""
 from __future__ import annotations
 
 import asyncio
@@ -13,61 +14,46 @@ from typing import Callable
 from qemu.qmp import ExecuteError, QMPClient
 
 from . import stateload
-from .hypervisor import HypervisorError, RestoreFailed, VMSpec, memory_file
+from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec
 from .qemu_query import Execute
 
 # Both ends of a save: shared memory (the guest's RAM, the root image) is not in the state.
 SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 
-async def load(qmp: QMPClient, execute: Execute, path: str,
-               preexec: Callable[[], None] | None) -> None:
-    """The saved state in `path` into the VM paused with `-incoming defer`, through a
-    pipe from a dd the shim runs (shim/vm/stateload.py); `preexec` confines the dd as
-    the VM is."""
+async def load(qmp: QMPClient, execute: Execute, saved: SavedVM) -> None:
+    """The saved state into the VM paused with `-incoming defer`, once it is read whole
+    and found unchanged (shim/vm/stateload.py), through a pipe QEMU gets over QMP."""
+    data = await asyncio.to_thread(stateload.read_state, saved.state, saved.state_sha256)
     await qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
+    # No self-announcement once loaded: QEMU would send reverse-ARP frames from the
+    # template's MACs on every restored pod's network before Resume gives the NICs the
+    # pod's own; the guest's own traffic announces those.
+    await qmp.execute("migrate-set-parameters", {"announce-rounds": 0})
 
     async def send(fd: int) -> None:
         qmp.send_fd_scm(fd)
         await qmp.execute("getfd", {"fdname": stateload.FD_NAME})
         await qmp.execute("migrate-incoming", {"uri": f"fd:{stateload.FD_NAME}"})
 
-    await stateload.load(path, send, lambda: migration_done(execute, "loading"), preexec)
+    await stateload.load(data, send, lambda: migration_done(execute, "loading"))
 
 
-def open_memory(spec: VMSpec, restore_from: str, preexec: Callable[[], None] | None
+def open_memory(spec: VMSpec, restore_from: SavedVM | None,
+                preexec: Callable[[], None] | None
                 ) -> tuple[int, asyncio.Future[None] | None]:
     """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
-    and the copy under way into it: a memfd filled from the template's memory for a
-    restore; the template's memory file, made new (never an existing file or a
-    symlink's target), for a VM to be saved."""
-    if restore_from:
+    and the copy under way into it (in the pod's sandbox cgroup, `preexec`): a memfd
+    filled from the template's memory (and checked) for a restore; the template's memory file, made new (never an existing
+    file or a symlink's target), for a VM to be saved."""
+    if restore_from is not None:
         memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
-        return memfd, asyncio.ensure_future(copy_memory(
-            memory_file(restore_from), memfd, spec.memory_mib << 20, preexec))
+        return memfd, asyncio.ensure_future(stateload.copy_memory(
+            restore_from.memory, os.dup(memfd), spec.memory_mib << 20,
+            restore_from.memory_sha256, preexec))
     if spec.memory_path:
         return os.open(spec.memory_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                        | os.O_CLOEXEC, 0o600), None
     return -1, None
-
-
-async def copy_memory(path: str, memfd: int, size: int,
-                      preexec: Callable[[], None] | None) -> None:
-    """The template's memory `path` into `memfd` (`size` bytes) by a dd in the pod's
-    sandbox cgroup (`preexec`), so the pages are the pod's; holes stay holes (what the
-    guest had freed is not copied). RestoreFailed when dd fails."""
-    os.ftruncate(memfd, size)
-    command = [*stateload.reader_command(path), "conv=sparse,notrunc"]
-    try:
-        dd = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.DEVNULL, stdout=memfd,
-            stderr=asyncio.subprocess.PIPE, preexec_fn=preexec)
-    except OSError as exc:
-        raise RestoreFailed(f"cannot run dd for the template's memory {path}: "
-                            f"{exc.strerror}") from None
-    _, said = await dd.communicate()
-    if dd.returncode:
-        raise RestoreFailed(f"dd could not copy the template's memory {path} (status "
-                            f"{dd.returncode}): {said.decode(errors='replace').strip()}")
 
 
 async def save(send_fd: Callable[[int], None], execute: Execute, path: str) -> None:
@@ -77,7 +63,8 @@ async def save(send_fd: Callable[[int], None], execute: Execute, path: str) -> N
     passes a descriptor to QEMU over QMP."""
     await execute("stop")
     await execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)  # made new: never an existing file, nor a symlink's target
     try:
         send_fd(fd)
         await execute("getfd", {"fdname": "template"})

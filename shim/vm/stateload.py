@@ -1,95 +1,113 @@
-"""A template's saved state into QEMU through a descriptor: QEMU runs under its seccomp
-sandbox (spawn=deny) in a jail where the template is no path, so it cannot run a reader
-itself (migrate-incoming `exec:`). The shim starts the reader, dd, in the pod's sandbox
-cgroup (the same preexec as QEMU's), writing into a pipe whose read end QEMU gets over
-QMP (getfd) and loads with `fd:`. dd reads past the host's page cache (O_DIRECT), so what
-a pod's QEMU loads is not charged to the cgroup of the first pod that read the file;
-where the file system has no O_DIRECT (tmpfs), it drops what it read instead."""
+"""A saved VM's two files read back into a new VM, each checked against the digest
+recorded when it was saved (a template changed since is never loaded: whoever could
+change it would control the guest of every later pod of its shape):
+- the state (QEMU's migration stream, a few hundred KiB) read whole by the shim and
+  checked before QEMU sees a byte of it, then written into a pipe whose read end QEMU
+  gets over QMP (getfd, `migrate-incoming fd:`): QEMU runs under its seccomp sandbox
+  (spawn=deny) in a jail where the template is no path, so it cannot read the file;
+- the guest's memory (sparse: only what the guest had in use) copied into the memfd the
+  VM runs on and hashed in the same pass by shim/vm/memcopy.py, a process started in the
+  pod's sandbox cgroup (the pages are the pod's), checked before QEMU loads the state.
+Both are read past the host's page cache (O_DIRECT) where the file system allows it, so
+what a pod restores is not charged to the first pod that read the file. The digest's
+form is memcopy.py's."""
 from __future__ import annotations
 
 import asyncio
-import errno
+import hashlib
+import mmap
 import os
-import signal
+import sys
 from typing import Awaitable, Callable
 
+from . import memcopy
 from .hypervisor import RestoreFailed
 
 FD_NAME = "template"
 
 
-def reader_command(path: str) -> list[str]:
-    """dd's command line for `path`; RestoreFailed when it is gone (discarded by another
-    pod meanwhile)."""
+def digest(path: str) -> str:
+    """The digest of the file at `path`."""
+    fd = memcopy.open_direct(path)
     try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC))
-        how = "iflag=direct"
+        h = hashlib.sha256()
+        for _ in memcopy.hashed(fd, h, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
+            pass
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def read_state(path: str, sha256: str) -> bytes:
+    """The state in `path`, whole, if it still has `sha256`; RestoreFailed otherwise."""
+    h = hashlib.sha256()
+    try:
+        fd = memcopy.open_direct(path)
+        try:
+            view = memoryview(mmap.mmap(-1, memcopy.CHUNK))  # page-aligned, for O_DIRECT
+            data = b"".join(bytes(chunk) for _, chunk in memcopy.hashed(fd, h, view))
+        finally:
+            os.close(fd)
     except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
-        how = "iflag=nocache"
-    return ["dd", f"if={path}", "bs=4M", how, "status=none"]
+        raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
+    if h.hexdigest() != sha256:
+        raise RestoreFailed(f"the template file {path} changed since it was saved (sha256 "
+                            f"{h.hexdigest()[:16]}..., saved as {sha256[:16]}...)")
+    return data
 
 
-async def load(path: str, send_fd: Callable[[int], Awaitable[None]],
-               loaded: Callable[[], Awaitable[None]],
-               preexec: Callable[[], None] | None) -> None:
-    """Start dd on `path` into a pipe, hand its read end to QEMU (`send_fd`: getfd
-    named FD_NAME, then migrate-incoming), wait for `loaded`; RestoreFailed, with dd's
-    words, when dd fails. dd is gone when this returns."""
-    command = reader_command(path)
+async def copy_memory(path: str, memfd: int, size: int, sha256: str,
+                      preexec: Callable[[], None] | None) -> None:
+    """The memory in `path` into `memfd` (`size` bytes; a descriptor of its own, closed
+    here) by shim/vm/memcopy.py in the pod's sandbox cgroup (`preexec`), if it still
+    has `sha256`; RestoreFailed otherwise (then what was copied is never run)."""
+    copier = None
+    try:
+        copier = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256,
+            str(memfd), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, pass_fds=[memfd], preexec_fn=preexec)
+        _, said = await copier.communicate()
+    except OSError as exc:
+        raise RestoreFailed(f"cannot copy the template's memory {path}: "
+                            f"{exc.strerror}") from None
+    finally:
+        os.close(memfd)
+        if copier is not None and copier.returncode is None:
+            copier.kill()
+            await copier.wait()
+    if copier.returncode:
+        raise RestoreFailed(f"the template's memory: "
+                            f"{said.decode(errors='replace').strip() or copier.returncode}")
+
+
+async def load(data: bytes, send_fd: Callable[[int], Awaitable[None]],
+               loaded: Callable[[], Awaitable[None]]) -> None:
+    """`data` into QEMU: the read end of a pipe handed over (`send_fd`: getfd named
+    FD_NAME, then migrate-incoming), the bytes written from a thread until QEMU has
+    them all or has stopped reading, then until `loaded`."""
     read, write = os.pipe2(os.O_CLOEXEC)
     try:
-        reader = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.DEVNULL, stdout=write,
-            stderr=asyncio.subprocess.PIPE, preexec_fn=preexec)
-    except OSError as exc:
-        os.close(read)
-        raise RestoreFailed(f"cannot run dd for the template {path}: {exc.strerror}") \
-            from None
-    finally:
+        await send_fd(read)
+    except BaseException:
         os.close(write)
-    try:
-        try:
-            await send_fd(read)
-        finally:
-            os.close(read)  # QEMU has its own copy (or none: it refused)
-        await _first(loaded(), reader, path)
+        raise
     finally:
-        if reader.returncode is None and not await _ended(reader):
-            reader.kill()
-        await reader.wait()
-
-
-async def _first(loaded: Awaitable[None], reader: asyncio.subprocess.Process,
-                 path: str) -> None:
-    """The load's end, or dd's failure, whichever comes first: a pipe closed before any
-    data (dd could not open the file) is a hang-up without input, which QEMU 7.2's
-    incoming migration never notices."""
-    load = asyncio.ensure_future(loaded)
-    ended = asyncio.ensure_future(reader.wait())
+        os.close(read)  # QEMU has its own copy (or none: it refused)
+    writer = asyncio.ensure_future(asyncio.to_thread(_write_all, write, data))
     try:
-        await asyncio.wait({load, ended}, return_when=asyncio.FIRST_COMPLETED)
-        # All written, or QEMU stopped reading (its own error says why): it ends it.
-        if not load.done() and reader.returncode in (0, -signal.SIGPIPE):
-            await load
-        if load.done():
-            load.result()
-            return
-        assert reader.stderr is not None
-        said = (await reader.stderr.read()).decode(errors="replace").strip()
-        raise RestoreFailed(f"dd could not read the template {path} (status "
-                            f"{reader.returncode}): {said or 'no message'}")
+        await loaded()
     finally:
-        for task in (load, ended):
-            task.cancel()
-        await asyncio.gather(load, ended, return_exceptions=True)
+        await asyncio.gather(writer, return_exceptions=True)
 
 
-async def _ended(proc: asyncio.subprocess.Process, grace: float = 2) -> bool:
-    """dd ends by itself once QEMU took the whole stream or closed the pipe."""
+def _write_all(fd: int, data: bytes) -> None:
+    """Closed when written, or when QEMU stops reading (EPIPE: its own error says why)."""
     try:
-        await asyncio.wait_for(proc.wait(), grace)
-        return True
-    except TimeoutError:
-        return False
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)

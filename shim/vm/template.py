@@ -8,23 +8,30 @@ nothing sent) and nothing of any pod is in it: QEMU's migration stream (`<key>.v
 and the guest's RAM, the file the template's VM ran on (`<key>.vmstate.ram`, sparse:
 what the guest freed is a hole). No share mounted (QEMU cannot save a VM whose 9p
 export is mounted, nor one with a virtio-fs device at all: restored VMs get theirs
-added), NICs with the template's MACs and nothing behind them (PlaceholderNic). QEMU can restore a state only into a VM made
-the same way, so a template serves the VMs whose command line is the same but for what
-the restore brings (paths, the sandbox id, the taps): `of()` keys a template by that
-command line and the identity of every file it names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key; the
+added), NICs with the template's MACs and nothing behind them (PlaceholderNic). QEMU
+can restore a state only into a VM made the same way, so a template serves the VMs whose
+command line is the same but for what the restore brings (paths, the sandbox id, the
+taps): `of()` keys a template by that command line and the identity of every file it
+names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key; the
 templates of files that changed are removed when the next one is saved.
+
+Whoever can change a template controls the guest of every later pod of its shape: the
+store must be root's alone and local, and is bounded (shim/vm/templatestore.py); files
+are made new (O_EXCL, O_NOFOLLOW) and appear by rename, and `<key>.json` records each
+file's digest, which the restore checks as it reads (shim/vm/stateload.py): a template
+changed since it was saved is discarded, never loaded.
 
 What all pods restored from one template share, and Resume changes in each before any
 of its processes runs: the clock (stopped when the template was saved), the kernel's
-CRNG (reseeded from host entropy), the NICs' MACs (set to the pod's). What they still
-share: the agent's own process (its hash seed, its address layout), whatever randomness
-the guest kernel drew during its boot, and so the kernel's layout, were it randomized
-(the PVH-booted vmlinux is not relocated at all: README, "Guest").
-Containers are all started after Resume.
+CRNG (reseeded from host entropy), the NICs' MACs (set to the pod's; QEMU announces
+none after the load). What they still share: the agent's own process (its hash seed,
+its address layout), whatever randomness the guest kernel drew during its boot, and so
+the kernel's layout, were it randomized (the PVH-booted vmlinux is not relocated at all:
+README, "Guest"). Containers are all started after Resume.
 
 Made by the first pod of a shape that finds none (in its own sandbox cgroup, under a
-lock: a second pod of the shape meanwhile boots as without templates), and restored with
-dd reading past the page cache, so a pod is charged what its own VM uses, not another's
+lock: a second pod of the shape meanwhile boots as without templates), and restored by
+reads past the page cache, so a pod is charged what its own VM uses, not another's
 reads."""
 from __future__ import annotations
 
@@ -39,13 +46,11 @@ from typing import Callable
 
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
-from . import vmm
-from .hypervisor import HypervisorError, VMSpec, memory_file
+from . import stateload, templatestore, vmm
+from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
 
 log = logging.getLogger("podvm.template")
 
-FORMAT = 3
-"""Bumped when what a template holds changes in a way its key does not show."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +73,35 @@ class Template:
     def memory(self) -> str:
         return memory_file(self.state)
 
+    def saved(self) -> SavedVM:
+        """The saved VM, with the digests recorded when it was saved; RestoreFailed when
+        its metadata cannot be read."""
+        try:
+            with open(self.meta) as f:
+                digests = json.load(f)["sha256"]
+            return SavedVM(self.state, digests["state"], digests["memory"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RestoreFailed(f"template {self.key}: no digests in {self.meta}: "
+                                f"{exc}") from None
+
     def exists(self) -> bool:
         return all(os.path.isfile(p) for p in (self.state, self.memory, self.meta))
 
     def discard(self, why: str) -> None:
         log.warning("template %s discarded: %s", self.key, why)
-        for path in (self.meta, self.state, self.memory):
+        for path in (self.meta, self.state, self.memory, self.uses):
             _unlink(path)
+
+    @property
+    def uses(self) -> str:
+        return os.path.join(self.directory, f"{self.key}.uses")
 
     def size(self) -> int:
         """Bytes on disk, its memory's holes not counted."""
-        try:
-            return sum(os.stat(p).st_blocks * 512 for p in (self.state, self.memory))
-        except FileNotFoundError:
-            return 0
+        return templatestore.size(self.directory, self.key)
+
+    def record_use(self) -> None:
+        templatestore.record_use(self.directory, self.key)
 
     def lock(self) -> "_Lock | None":
         """The right to make this template, or None while another pod makes it."""
@@ -95,11 +115,14 @@ class Template:
             return None
         return _Lock(fd)
 
-    async def make(self, spec: VMSpec, preexec: Callable[[], None] | None) -> None:
+    async def make(self, spec: VMSpec, preexec: Callable[[], None] | None,
+                   max_count: int = 1 << 30, max_bytes: int = 1 << 60) -> None:
         """Boot `spec`'s VM as a template until its agent opens its port, save it. The VM
         runs in `workdir`-template beside the pod's and is gone afterwards; the files
         appear whole or not at all. The VM's boot failing raises what a boot raises (a
-        pod would fail the same way); NotSaved when it booted but could not be saved."""
+        pod would fail the same way); NotSaved when it booted but could not be saved.
+        Then the least recently used others go until `max_count` templates take at most
+        `max_bytes`, and this one too if it alone takes more."""
         started = time.monotonic()
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         tmp = f"{self.state}.{os.getpid()}.tmp"
@@ -113,12 +136,15 @@ class Template:
             _, writer = vm.take_agent_stream()
             try:
                 await vm.save(tmp)
-                with open(f"{self.meta}.tmp", "w") as f:
-                    json.dump({"format": FORMAT, "inputs": self.inputs,
-                               "command": vm.command(), "made": time.time(),
-                               "made_by": spec.sandbox_id}, f, indent=1)
                 await vm.stop(timeout=2)
                 _settle(memory_file(tmp))
+                digests = {"state": stateload.digest(tmp),
+                           "memory": stateload.digest(memory_file(tmp))}
+                with _new_file(f"{self.meta}.tmp") as f:
+                    json.dump({"format": templatestore.FORMAT, "inputs": self.inputs,
+                               "sha256": digests,
+                               "command": vm.command(), "made": time.time(),
+                               "made_by": spec.sandbox_id}, f, indent=1)
                 os.rename(memory_file(tmp), self.memory)
                 os.rename(tmp, self.state)
                 os.rename(f"{self.meta}.tmp", self.meta)
@@ -134,7 +160,9 @@ class Template:
             remove_tree(vm.spec.workdir)
         log.info("template %s made by sandbox %s in %.2fs (%d MiB)", self.key,
                  spec.sandbox_id, time.monotonic() - started, self.size() >> 20)
-        prune(self.directory)
+        templatestore.prune(self.directory)
+        if not templatestore.trim(self.directory, max_count, max_bytes, keep=self.key):
+            self.discard(f"{self.size() >> 20} MiB alone is more than template_max_mib")
 
 
 class NotSaved(Exception):
@@ -162,46 +190,20 @@ def template_spec(spec: VMSpec) -> VMSpec:
 def of(spec: VMSpec) -> Template:
     """The template that `spec`'s VM (its NICs attached already) would restore."""
     q = spec.hypervisor
-    inputs = {name: _identity(path) for name, path in (
+    inputs = {name: templatestore.identity(path) for name, path in (
         ("qemu", q.path), ("kernel", q.kernel), ("initrd", q.initrd), ("image", q.image))}
     canonical = dataclasses.replace(template_spec(spec), sandbox_id="", workdir="/",
                                     shared_dir="/", memory_path="/")
     digest = hashlib.sha256(json.dumps({
-        "format": FORMAT, "inputs": inputs,
+        "format": templatestore.FORMAT, "inputs": inputs,
         "command": vmm.create(canonical).command()}, sort_keys=True).encode())
     return Template(q.template_path, digest.hexdigest()[:32], inputs)
 
 
-def prune(directory: str) -> list[str]:
-    """Remove the templates whose files (QEMU, kernel, initrd, image) changed or are
-    gone, and states whose metadata was never written; the keys removed."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        path = os.path.join(directory, name)
-        if name.endswith(".json"):
-            key = name[:-len(".json")]
-            try:
-                with open(path) as f:
-                    meta = json.load(f)
-                inputs = meta["inputs"]
-                stale = meta.get("format") != FORMAT or any(
-                    _identity(file_id[0]) != file_id for file_id in inputs.values())
-            except (OSError, ValueError, KeyError, TypeError, IndexError):
-                stale = True
-            if stale:
-                for suffix in (".json", ".vmstate", ".vmstate.ram", ".lock"):
-                    _unlink(os.path.join(directory, key + suffix))
-                removed.append(key)
-        elif name.endswith((".vmstate", ".vmstate.ram")) and not os.path.exists(
-                path[:path.index(".vmstate")] + ".json"):
-            _unlink(path)  # its metadata was never written: an interrupted save
-    if removed:
-        log.info("templates of changed files removed: %s", ", ".join(removed))
-    return removed
+def _new_file(path: str):
+    """`path` made new for writing: never an existing file, nor a symlink's target."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, 0o600), "w")
 
 
 def _settle(path: str) -> None:
@@ -213,15 +215,6 @@ def _settle(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _identity(path: str) -> list:
-    """What tells a file from the next version of it: path, size, mtime, inode."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return [path, -1, -1, -1]
-    return [path, st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def _unlink(path: str) -> None:

@@ -1,7 +1,8 @@
 """Templates (shim/vm/template.py) through the CRI, as a user sees them: the first
 podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
 it and is the pod it asked for: the host's clock, its own MAC on its own network (served
-over HTTP to the host), its containers on its own virtio-fs share. A template that no longer
+over HTTP to the host; no frame from the template's MAC on it), its containers on its own
+virtio-fs share. A template that no longer
 restores is discarded and the pod boots instead.
 
 The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
@@ -11,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import time
 
 import pytest
 
+from shim.vm.hypervisor import template_mac
 from tests.conftest import require, require_root, require_tool
 from tests.vmconfig import guest_image, write_test_config
 
@@ -26,6 +29,7 @@ from .netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
 from .test_crictl import run_container
 from .test_podvm_pods import remove_pod, runp
 
+ETH_P_ALL = 0x0003
 TEMPLATE_AGE = 8.0
 """Seconds a template is at least old when the next pod restores it: without Resume its
 clock would be behind by that much."""
@@ -75,6 +79,39 @@ def templates(ctd: Containerd) -> dict[str, dict]:
     return found
 
 
+class FrameSniffer:
+    """Every frame on `bridge` while it is open (an AF_PACKET socket: the host's side of
+    the pods' network), for the MACs they came from."""
+
+    def __init__(self, bridge: str) -> None:
+        self.bridge = bridge
+        self.sock: socket.socket | None = None
+
+    def __enter__(self) -> "FrameSniffer":
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind((self.bridge, 0))
+        self.sock.setblocking(False)
+        self.frames: list[bytes] = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self.sock is not None
+        self._drain()
+        self.sock.close()
+
+    def _drain(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                self.frames.append(self.sock.recv(2048))
+            except BlockingIOError:
+                return
+
+    def sources(self) -> set[str]:
+        return {":".join(f"{b:02x}" for b in frame[6:12]) for frame in self.frames}
+
+
 def shim_lines(ctd: Containerd, pod_id: str, needle: str) -> list[str]:
     return [line for line in ctd.log().splitlines() if pod_id in line and needle in line]
 
@@ -103,8 +140,13 @@ def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
         saved = (ctd.templates / f"{key}.vmstate").stat().st_mtime  # type: ignore[attr-defined]
         time.sleep(max(0.0, saved + TEMPLATE_AGE - time.time()))
 
-        second, pod_file = runp(crictl, ctd, configs, "tpl-second")
+        with FrameSniffer(ctd.network.bridge) as sniffer:
+            second, pod_file = runp(crictl, ctd, configs, "tpl-second")
         try:
+            # Nothing of the template on the pod's network: QEMU announces no MAC after
+            # the load, so the template's is never seen (every pod would send it).
+            sent = sniffer.sources()
+            assert template_mac(0) not in sent, f"frames from the template's MAC: {sent}"
             assert shim_lines(ctd, second, f"VM restored from template {key}")
             assert len(templates(ctd)) == 1, "the second pod made no template of its own"
             cid = run_container(crictl, configs, second, pod_file, "tpl-web",

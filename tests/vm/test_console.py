@@ -145,7 +145,7 @@ async def test_a_guest_restored_from_a_template_has_its_console_read(tmp_path) -
     template = templates.of(maker)
     await template.make(maker, None)
     vm = QemuVM(template_spec(tmp_path, "pod", template=True))
-    await vm.launch(restore_from=template.state)
+    await vm.launch(restore_from=template.saved())
     try:
         agent = Agent.of_vm(vm)
         await agent.resume_restored({}, timeout=30)

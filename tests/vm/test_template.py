@@ -4,7 +4,6 @@ twice and resumed, and a state that does not fit the VM refused as RestoreFailed
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import pathlib
@@ -16,8 +15,8 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import RestoreFailed, VMSpec
 from shim.vm import stateload
 from shim.vm import template as templates
+from shim.vm import templatestore
 from shim.vm.qemu import QemuVM
-from shim.vm.stateload import reader_command
 from shim.network.model import TapNic
 from tests.conftest import require_root
 from tests.vmconfig import vm_config
@@ -73,14 +72,14 @@ def test_prune_removes_templates_of_changed_files_and_states_without_metadata(tm
     for key, inputs in ((current.key, current.inputs),
                         ("old", {**current.inputs, "kernel": [str(tmp_path / "vmlinux"), 1, 2, 3]}),
                         ("gone", {"qemu": [str(tmp_path / "nowhere"), 1, 2, 3]})):
-        (store / f"{key}.json").write_text(json.dumps({"format": templates.FORMAT,
+        (store / f"{key}.json").write_text(json.dumps({"format": templatestore.FORMAT,
                                                         "inputs": inputs}))
         (store / f"{key}.vmstate").write_bytes(b"state")
         (store / f"{key}.vmstate.ram").write_bytes(b"memory")
     (store / "torn.vmstate").write_bytes(b"half")
     (store / "torn2.vmstate.ram").write_bytes(b"half")
     (store / "garbled.json").write_text("{")
-    assert sorted(templates.prune(str(store))) == ["garbled", "gone", "old"]
+    assert sorted(templatestore.prune(str(store))) == ["garbled", "gone", "old"]
     assert sorted(os.listdir(store)) == [f"{current.key}.json", f"{current.key}.vmstate",
                                          f"{current.key}.vmstate.ram"]
     assert current.exists()
@@ -99,25 +98,49 @@ def test_one_maker_at_a_time(tmp_path) -> None:
     again.release()
 
 
-def test_a_state_is_read_past_the_page_cache_or_dropped_after(tmp_path, monkeypatch) -> None:
-    on_disk = tmp_path / "state"
-    on_disk.write_bytes(b"x" * 8192)
-    assert reader_command(str(on_disk)) == ["dd", f"if={on_disk}", "bs=4M", "iflag=direct",
-                                            "status=none"]
+async def test_a_memory_copy_keeps_holes_and_is_checked(tmp_path) -> None:
+    """What the guest had freed is a hole in the template's memory and stays one in the
+    pod's memfd; the copy (shim/vm/memcopy.py, a process of its own) is hashed as it
+    goes and compared with the saved digest."""
+    memory = tmp_path / "m.ram"
+    with open(memory, "wb") as f:
+        f.truncate(8 << 20)
+        f.seek(1 << 20)
+        f.write(b"guest" * 1000)
+        f.seek(6 << 20)
+        f.write(b"\x01" * 4096)
+    want = stateload.digest(str(memory))
+    memfd = os.memfd_create("t")
+    try:
+        await stateload.copy_memory(str(memory), os.dup(memfd), 8 << 20, want, None)
+        assert os.pread(memfd, 5, 1 << 20) == b"guest"
+        assert os.pread(memfd, 4096, 6 << 20) == b"\x01" * 4096
+        assert os.fstat(memfd).st_blocks * 512 < 1 << 20  # the holes were not copied
+        with pytest.raises(RestoreFailed, match="is 8388608 bytes, not 4194304"):
+            await stateload.copy_memory(str(memory), os.dup(memfd), 4 << 20, want, None)
+        with open(memory, "r+b") as f:  # one byte of it changed since
+            f.seek((1 << 20) + 2)
+            f.write(b"X")
+        with pytest.raises(RestoreFailed, match="changed since it was saved"):
+            await stateload.copy_memory(str(memory), os.dup(memfd), 8 << 20, want, None)
+        with pytest.raises(RestoreFailed, match="cannot copy .*No such file"):
+            await stateload.copy_memory(str(tmp_path / "gone"), os.dup(memfd), 8 << 20,
+                                        want, None)
+    finally:
+        os.close(memfd)
+
+
+def test_a_state_is_read_whole_and_checked(tmp_path) -> None:
+    state = tmp_path / "s.vmstate"
+    state.write_bytes(b"QEVM" + os.urandom(300_000))
+    want = stateload.digest(str(state))
+    assert stateload.read_state(str(state), want) == state.read_bytes()
+    state.write_bytes(state.read_bytes()[:-1])  # a torn copy
+    with pytest.raises(RestoreFailed, match="changed since it was saved"):
+        stateload.read_state(str(state), want)
+    (tmp_path / "link").symlink_to(state)
     with pytest.raises(RestoreFailed, match="cannot read the template"):
-        reader_command(str(tmp_path / "discarded-meanwhile"))
-
-    # A file system without O_DIRECT (tmpfs before Linux 6.6; this machine's has it)
-    # refuses the open with EINVAL: dd then drops what it read from the page cache.
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    real_open = os.open
-    monkeypatch.setattr(os, "open", no_direct)
-    assert reader_command(str(on_disk)) == ["dd", f"if={on_disk}", "bs=4M", "iflag=nocache",
-                                            "status=none"]
+        stateload.read_state(str(tmp_path / "link"), want)
 
 
 def vm_spec(tmp_path: pathlib.Path, name: str, **changes) -> VMSpec:
@@ -140,7 +163,7 @@ async def test_made_restored_twice_and_resumed_on_a_real_qemu(tmp_path) -> None:
         pod = vm_spec(tmp_path, name, template=True)
         assert templates.of(pod).key == template.key
         vm = QemuVM(pod)
-        await vm.launch(restore_from=template.state)
+        await vm.launch(restore_from=template.saved())
         try:
             agent = Agent.of_vm(vm)
             await agent.resume_restored({}, timeout=30)
@@ -156,30 +179,33 @@ async def test_a_state_that_does_not_fit_the_vm_is_restore_failed(tmp_path) -> N
     template = templates.of(spec)
     await template.make(spec, None)
     vm = QemuVM(vm_spec(tmp_path, "bigger", template=True, memory_mib=512))
-    with pytest.raises(RestoreFailed, match="did not restore") as err:
-        await vm.launch(restore_from=template.state)
-    assert template.state in str(err.value)
+    # Refused before QEMU loads anything: the memory is not the VM's size.
+    with pytest.raises(RestoreFailed, match="is 268435456 bytes, not 536870912") as err:
+        await vm.launch(restore_from=template.saved())
+    assert template.memory in str(err.value)
     assert vm.dead()
 
 
-@pytest.mark.parametrize("reader", [
-    ["dd", "if=/nonexistent/template.vmstate", "status=none"],  # dd fails at once
-    ["sh", "-c", "head -c 65536 \"$0\"; exit 3"],  # half a state, then dd dies
-])
-async def test_a_reader_that_fails_is_restore_failed(tmp_path, monkeypatch, reader) -> None:
-    """QEMU loads through a pipe from the shim's dd (its seccomp filter forbids running
-    one itself): dd failing, before or in the middle of the state, fails the restore
-    as RestoreFailed (the pod then boots) and leaves no dd behind."""
+@pytest.mark.parametrize("changed", ["state", "memory"])
+async def test_a_template_changed_since_it_was_saved_is_never_loaded(tmp_path,
+                                                                      changed) -> None:
+    """One byte of either file changed: RestoreFailed before QEMU reads the state (the
+    pod then boots and the template is discarded), and nothing is left running."""
     spec = vm_spec(tmp_path, "maker")
     template = templates.of(spec)
     await template.make(spec, None)
-    monkeypatch.setattr(stateload, "reader_command",
-                        lambda path: [*reader, path] if reader[0] == "sh" else reader)
+    path = template.state if changed == "state" else template.memory
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2 if changed == "state" else
+               os.lseek(f.fileno(), 0, os.SEEK_DATA) + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
     vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
-    before = _live_children()  # the run's own (multiprocessing's resource tracker...)
-    with pytest.raises(RestoreFailed) as err:
-        await vm.launch(restore_from=template.state)
-    assert template.state in str(err.value)
+    before = _live_children()
+    with pytest.raises(RestoreFailed, match="changed since it was saved") as err:
+        await vm.launch(restore_from=template.saved())
+    assert path in str(err.value)
     assert vm.dead()
     assert _live_children() - before == set()
 
@@ -196,5 +222,5 @@ async def test_a_template_gone_before_the_load_is_restore_failed(tmp_path) -> No
     os.unlink(template.state)
     vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
     with pytest.raises(RestoreFailed, match="cannot read the template"):
-        await vm.launch(restore_from=template.state)
+        await vm.launch(restore_from=template.saved())
     assert vm.dead()
