@@ -46,7 +46,7 @@ from typing import Callable
 
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
-from . import stateload, templatestore, vmm
+from . import memcopy, stateload, templatestore, vmm
 from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
 
 log = logging.getLogger("podvm.template")
@@ -137,6 +137,7 @@ class Template:
             try:
                 await vm.save(tmp)
                 await vm.stop(timeout=2)
+                memcopy.dig_holes(memory_file(tmp))
                 _settle(memory_file(tmp))
                 digests = {"state": stateload.digest(tmp),
                            "memory": stateload.digest(memory_file(tmp))}

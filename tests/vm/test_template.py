@@ -13,7 +13,7 @@ import pytest
 
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import RestoreFailed, VMSpec
-from shim.vm import stateload
+from shim.vm import memcopy, stateload
 from shim.vm import template as templates
 from shim.vm import templatestore
 from shim.vm.qemu import QemuVM
@@ -128,6 +128,19 @@ async def test_a_memory_copy_keeps_holes_and_is_checked(tmp_path) -> None:
                                         want, None)
     finally:
         os.close(memfd)
+
+
+def test_pages_of_zeros_in_a_saved_memory_become_holes(tmp_path) -> None:
+    """Pages the guest touched and left zero are neither kept, copied nor charged."""
+    memory = tmp_path / "m.ram"
+    with open(memory, "wb") as f:
+        f.truncate(16 << 20)
+        f.write(bytes(4 << 20) + b"a" * 4096 + bytes(8192) + b"b" * 10)
+    assert os.stat(memory).st_blocks * 512 >= 4 << 20
+    content = memory.read_bytes()
+    assert memcopy.dig_holes(str(memory)) == (4 << 20) + 8192
+    assert memory.read_bytes() == content  # the same bytes, fewer blocks
+    assert os.stat(memory).st_blocks * 512 <= 2 * 4096
 
 
 def test_a_state_is_read_whole_and_checked(tmp_path) -> None:
