@@ -2,7 +2,8 @@
 podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
 it and is the pod it asked for: the host's clock, its own MAC on its own network (served
 over HTTP to the host; no frame from the template's MAC on it), its containers on its own
-virtio-fs share. A template that no longer
+virtio-fs share, its own boot id (the first pod, restored from the same template, has
+another). A template that no longer
 restores is discarded and the pod boots instead.
 
 The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
@@ -128,7 +129,7 @@ def netns_mac(crictl: Crictl, pod_id: str, ifname: str = "eth0") -> str:
 
 def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
         ctd, crictl, configs) -> None:
-    first, _ = runp(crictl, ctd, configs, "tpl-first")
+    first, first_file = runp(crictl, ctd, configs, "tpl-first")
     try:
         made = templates(ctd)
         assert len(made) == 1, made
@@ -168,6 +169,14 @@ def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
             mounts = crictl.exec(cid, "cat", "/proc/mounts", timeout=30)
             assert mounts.exit_code == 0, mounts.stderr
             assert " / virtiofs " in mounts.stdout, mounts.stdout
+            # Both pods woke from the same saved guest, yet each has its own boot id:
+            # the kernel draws it at its first read, which no template may make.
+            other = run_container(crictl, configs, first, first_file, "tpl-first-c",
+                                  "sleep 600")
+            drawn = [crictl.exec(c, "cat", "/proc/sys/kernel/random/boot_id", timeout=30)
+                     for c in (cid, other)]
+            assert all(d.exit_code == 0 and d.stdout.strip() for d in drawn), drawn
+            assert drawn[0].stdout != drawn[1].stdout, drawn
         finally:
             remove_pod(crictl, second)
     finally:
