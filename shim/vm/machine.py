@@ -25,8 +25,9 @@ from ..host.share import Share
 from ..network import remote
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
-from ..resources import PlanDelta, SandboxPlan
-from . import guestspec, resize, vmm
+from ..resources import SandboxPlan
+from . import guestspec, vmm
+from .resize import MachineResize
 from . import template as templates, templatestore
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
@@ -40,7 +41,7 @@ log = logging.getLogger("podvm.machine")
 T = TypeVar("T")
 
 
-class Machine:
+class Machine(MachineResize):
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "") -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
@@ -276,14 +277,6 @@ class Machine:
         self.record(vm=VMReport(online_cpus=online_cpus,
                                  memory_total_mib=memory_total_bytes >> 20, at=time.time(),
                                  qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib))
-
-    async def resize(self, delta: PlanDelta) -> None:
-        """Carry out one step of the plan (shim/vm/resize.py)."""
-        await resize.resize(self, delta)
-
-    async def pin(self) -> None:
-        """The vCPU threads pinned as the plan says (shim/vm/resize.py)."""
-        await resize.pin(self)
 
     def record_plan(self, plan: SandboxPlan) -> None:
         self.plan = plan
