@@ -75,35 +75,32 @@ class Submount:
     """Its own flags as bind options: "ro" or "rw", then nosuid, nodev, noexec."""
 
 
-def _mountinfo() -> Iterator[tuple[str, tuple[str, ...]]]:
-    """(mount point, per-mount options) of every mount in the shim's namespace, parents
-    before children and a stacked mount after the one it hides."""
+def _mountinfo() -> Iterator[tuple[str, tuple[str, ...], str]]:
+    """(mount point, per-mount options, file system type) of every mount in the shim's
+    namespace, parents before children and a stacked mount after the one it hides."""
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
             point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])
-            yield os.fsdecode(point), tuple(fields[5].decode().split(","))
+            yield (os.fsdecode(point), tuple(fields[5].decode().split(",")),
+                   fields[fields.index(b"-") + 1].decode())
 
 
 def fstype_of(path: str) -> str:
     """The file system type of the mount `path` (resolved) is on, "" when none is found."""
     path = os.path.realpath(path)
-    best, fstype = "", ""
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            point = os.fsdecode(re.sub(rb"\\([0-7]{3})",
-                                       lambda m: bytes([int(m[1], 8)]), fields[4]))
-            inside = path == point or path.startswith(point.rstrip("/") + "/")
-            if inside and len(point) >= len(best):  # the deepest, the last of a stack
-                best, fstype = point, fields[fields.index(b"-") + 1].decode()
-    return fstype
+    best, found = "", ""
+    for point, _, fstype in _mountinfo():
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # the deepest, the last of a stack
+            best, found = point, fstype
+    return found
 
 
 def mounts_under(path: str) -> list[str]:
     """Mount points at or below `path`, deepest first (the order to unmount them in)."""
     prefix = path.rstrip("/")
-    found = {point for point, _ in _mountinfo()
+    found = {point for point, _, _ in _mountinfo()
              if point == prefix or point.startswith(prefix + "/")}
     return sorted(found, key=lambda p: p.count("/"), reverse=True)
 
@@ -129,7 +126,7 @@ def _submounts_here(path: str) -> list[Submount]:
         return []
     prefix = os.path.realpath(path).rstrip("/") + "/"
     found: dict[str, tuple[str, ...]] = {}
-    for point, options in _mountinfo():
+    for point, options, _ in _mountinfo():
         if point.startswith(prefix):
             own = tuple(o for o in _PER_MOUNT if o in options)
             found[point[len(prefix):]] = own if "ro" in own else ("rw", *own)

@@ -43,8 +43,9 @@ def open_memory(spec: VMSpec, restore_from: SavedVM | None,
                 ) -> tuple[int, asyncio.Future[None] | None]:
     """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
     and the copy under way into it (in the pod's sandbox cgroup, `preexec`): a memfd
-    filled from the template's memory (and checked) for a restore; the template's memory file, made new (never an existing
-    file or a symlink's target), for a VM to be saved."""
+    filled from the template's memory (and checked) for a restore; the template's
+    memory file, made new (never an existing file or a symlink's target), for a VM to
+    be saved."""
     if restore_from is not None:
         memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
         return memfd, asyncio.ensure_future(stateload.copy_memory(

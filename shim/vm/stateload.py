@@ -50,9 +50,9 @@ def read_state(path: str, sha256: str) -> bytes:
             os.close(fd)
     except OSError as exc:
         raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
-    if h.hexdigest() != sha256:
-        raise RestoreFailed(f"the template file {path} changed since it was saved (sha256 "
-                            f"{h.hexdigest()[:16]}..., saved as {sha256[:16]}...)")
+    wrong = memcopy.changed(path, h.hexdigest(), sha256)
+    if wrong:
+        raise RestoreFailed(f"the template file {wrong}")
     return data
 
 

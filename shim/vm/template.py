@@ -36,7 +36,6 @@ reads."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -89,12 +88,7 @@ class Template:
 
     def discard(self, why: str) -> None:
         log.warning("template %s discarded: %s", self.key, why)
-        for path in (self.meta, self.state, self.memory, self.uses):
-            _unlink(path)
-
-    @property
-    def uses(self) -> str:
-        return os.path.join(self.directory, f"{self.key}.uses")
+        templatestore.delete(self.directory, self.key)
 
     def size(self) -> int:
         """Bytes on disk, its memory's holes not counted."""
@@ -106,14 +100,8 @@ class Template:
     def lock(self) -> "_Lock | None":
         """The right to make this template, or None while another pod makes it."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(self.directory, f"{self.key}.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return _Lock(fd)
+        fd = templatestore.lock(self.directory, self.key)
+        return _Lock(fd) if fd >= 0 else None
 
     async def make(self, spec: VMSpec, preexec: Callable[[], None] | None,
                    max_count: int = 1 << 30, max_bytes: int = 1 << 60) -> None:

@@ -24,7 +24,8 @@ log = logging.getLogger("podvm.template")
 
 FORMAT = 4
 """Bumped when what a template holds changes in a way its key does not show."""
-SUFFIXES = (".json", ".vmstate", ".vmstate.ram", ".uses", ".lock")
+FILES = (".json", ".vmstate", ".vmstate.ram", ".uses")
+"""A template's files, its metadata first: gone, it no longer exists (template.exists)."""
 DISK_RESERVE = 256 << 20  # bytes left free on the file system, whatever the caps say
 REMOTE_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "fuse",
                        "ceph", "glusterfs", "afs", "lustre", "gfs2", "ocfs2")
@@ -99,22 +100,37 @@ def size(directory: str, key: str) -> int:
 def remove(directory: str, key: str) -> bool:
     """The template's files gone, unless it is being made (False then). A pod loading
     it meanwhile reads on: its files are open."""
-    lock = os.path.join(directory, f"{key}.lock")
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = lock(directory, key)
     except OSError:
         return False
+    if fd < 0:
+        return False
+    try:
+        delete(directory, key, lock=True)
+    finally:
+        os.close(fd)
+    return True
+
+
+def lock(directory: str, key: str) -> int:
+    """The descriptor that holds the right to make or remove the template (the flock
+    goes with it), -1 while someone else holds it."""
+    fd = os.open(os.path.join(directory, f"{key}.lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return False
-    try:
-        for suffix in SUFFIXES:
-            _unlink(os.path.join(directory, key + suffix))
-    finally:
-        os.close(fd)
-    return True
+        return -1
+    return fd
+
+
+def delete(directory: str, key: str, lock: bool = False) -> None:
+    """The template's files unlinked (and its lock file: `lock`), what is gone already
+    left so. A pod reading it meanwhile reads on: its files are open."""
+    for suffix in FILES + ((".lock",) if lock else ()):
+        _unlink(os.path.join(directory, key + suffix))
 
 
 def make_room(directory: str, disk_need: int, max_count: int, max_bytes: int) -> bool:
@@ -184,8 +200,7 @@ def prune(directory: str) -> list[str]:
             except (OSError, ValueError, KeyError, TypeError, IndexError):
                 stale = True
             if stale:
-                for suffix in SUFFIXES:
-                    _unlink(os.path.join(directory, key + suffix))
+                delete(directory, key, lock=True)
                 removed.append(key)
         elif name.endswith((".vmstate", ".vmstate.ram")) and not os.path.exists(
                 path[:path.index(".vmstate")] + ".json"):

@@ -30,6 +30,7 @@ from typing import Callable
 
 import psutil
 
+from . import qemu_diagnosis
 from .hypervisor import HypervisorError, VMSpec
 from .qemu_command import virtio_fs_socket
 
@@ -104,13 +105,8 @@ class FileServer:
             await self.stop()
             raise
 
-    def said(self, size: int = 1000) -> str:
-        try:
-            with open(log_path(self.spec), "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - size))
-                return f.read().decode(errors="replace").strip() or "(nothing)"
-        except OSError:
-            return "(no log)"
+    def said(self) -> str:
+        return qemu_diagnosis.tail(log_path(self.spec), 1000) or "(nothing)"
 
     def pids(self) -> list[int]:
         """It and the child it serves from (in a PID namespace of its own)."""

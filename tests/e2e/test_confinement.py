@@ -22,19 +22,15 @@ from shim.vm import jail
 from .containerd import CRI_NAMESPACE, mount_namespace
 from .cri import Crictl
 from .test_crictl import wait_for
-from .test_podvm_pods import (cri_containerd, pod_qemus, remove_pod, runp,
-                             start_container)
+from .test_podvm_pods import (cri_containerd, pod_file_servers, pod_qemus, remove_pod,
+                             runp, start_container)
 
 def file_server(pod_id: str) -> int:
     """The virtiofsd process that serves the pod's files: the child that its virtiofsd
     forks into namespaces of its own."""
-    marker = paths.state_dir(CRI_NAMESPACE, pod_id) + "/"
-    found = [p for p in psutil.process_iter(["cmdline", "ppid"])
-             if (p.info["cmdline"] or [""])[0].endswith("virtiofsd")
-             and any(marker in a for a in p.info["cmdline"])]
-    pids = {p.pid for p in found}
-    children = [p.pid for p in found if p.info["ppid"] in pids]
-    assert len(children) == 1, [(p.pid, p.info) for p in found]
+    pids = set(pod_file_servers(pod_id))
+    children = [p for p in pids if psutil.Process(p).ppid() in pids]
+    assert len(children) == 1, pids
     return children[0]
 
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from shim.host import paths
+from shim.host.cleanup import processes_of
 from tests.conftest import require_root, require_tool
 from tests.vmconfig import GUEST, guest_image, write_test_config
 
@@ -50,9 +51,7 @@ def pod_qemus(pod_id: str) -> list[int]:
 
 
 def pod_file_servers(pod_id: str) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()
-            and _cmdline(int(p)).startswith(b"/usr/lib/qemu/virtiofsd\0")
-            and pod_id.encode() in _cmdline(int(p))]
+    return processes_of("virtiofsd", pod_id)
 
 
 def _cmdline(pid: int) -> bytes:

@@ -12,6 +12,7 @@ import pathlib
 import psutil
 import pytest
 
+from shim.host.cleanup import processes_of
 from shim.vm import qemu_command, virtiofsd
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
@@ -20,9 +21,7 @@ from tests.vm.test_qemu import spec
 
 
 def _servers(marker: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if (p.info["cmdline"] or [""])[0].endswith("virtiofsd")
-            and any(marker in a for a in p.info["cmdline"])]
+    return processes_of("virtiofsd", marker)
 
 
 async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_path) -> None:
