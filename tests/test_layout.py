@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     # top: separate processes, with dependencies of their own
+    ("podvm_node",),
     ("podvmctl",),
     ("podvm_webhook",),
     # the shim, from what containerd runs down to the pure model
@@ -34,7 +35,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 GUEST_MAY_IMPORT = ("podvm_core", "guest")
 """The guest agent and image builder: a separate machine, sharing podvm_core only."""
 
-PRODUCTION = ("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook", "guest")
+PRODUCTION = ("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook", "podvm_node",
+              "guest")
 MODULE_MAX_LINES = 400
 FUNCTION_MAX_LINES = 60
 
@@ -238,7 +240,8 @@ def _floor(module: str) -> int | None:
 
 def test_no_room_imports_one_above_it():
     wrong = []
-    for path in _sources("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook"):
+    for path in _sources("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook",
+                         "podvm_node"):
         own = _floor(_module(path))
         assert own is not None, f"{path.relative_to(ROOT)} is in no room of FLOORS"
         for line, target, _ in _imports(path):
@@ -317,7 +320,7 @@ def test_only_the_api_makes_ttrpc_errors():
         "\n".join(wrong)
 
 
-CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|guest|"
+CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|podvm_node|guest|"
                    r"tests|bench|docs|packaging|protos|\.ci)/[\w./-]*[\w/]|[\w-]+\.md)\b")
 
 
