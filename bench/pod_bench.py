@@ -8,7 +8,13 @@ With templates (the default) the first pod boots its guest and saves it as the s
 template, the others restore it: the figures say which is which. --no-template: every
 pod boots, as before templates.
 
+--sizes 1:256,2:640: the pods take these sizes in turn (vCPUs:MiB, as Kata's sizing
+annotations set them); with templates, every size restores the one template of the
+default size (1:256) and a larger pod is grown to its own by hot-plug: the figures by size
+show what the hot-plug costs.
+
 usage: python bench/pod_bench.py [--pods N] [--accel tcg|kvm] [--no-template]
+                                 [--sizes V:M,...]
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from tests.e2e.containerd import Containerd, shims_of  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
 from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
+from shim.resources.annotations import KATA  # noqa: E402
 from tests.vmconfig import GUEST, write_test_config  # noqa: E402
 
 MIB = 1 << 20
@@ -69,6 +76,20 @@ def phases(log: str, pod_id: str) -> list[float]:
     return [b - a for a, b in zip([start] + marks, marks)]
 
 
+def sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(n) for n in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want vCPUs:MiB[,vCPUs:MiB...]") from None
+    if not out or any(len(s) != 2 or min(s) <= 0 for s in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: want vCPUs:MiB[,vCPUs:MiB...]")
+    return out  # type: ignore[return-value]
+
+
+def annotations(size: tuple[int, int]) -> dict[str, str]:
+    return {KATA + "default_vcpus": str(size[0]), KATA + "default_memory": str(size[1])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=5)
@@ -77,19 +98,24 @@ def main() -> int:
                         help="every pod boots its guest (enable_template = false)")
     parser.add_argument("--keep-log", type=pathlib.Path, metavar="FILE",
                         help="copy containerd's log (the shims' lines included) to FILE")
+    parser.add_argument("--sizes", default="1:256", type=sizes,
+                        help="vCPUs:MiB of the pods in turn (default 1:256, the default size)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="podvm-pod-bench-") as tmp:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    enable_template=not args.no_template,
-                                   template_path=str(work / "templates"))
+                                   template_path=str(work / "templates"),
+                                   enable_annotations=("default_vcpus", "default_memory"))
         with Containerd(work / "containerd", namespace="podvm-bench", cri=True,
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)
             crictl = Crictl(ctd.cri_endpoint, timeout="120s")
             ready, shim_rss, qemu_rss, spent = [], [], [], []
             for i in range(args.pods):
-                pod_file = write_config(work, f"pod{i}.json", pod_config(ctd, work, f"b{i}"))
+                size = args.sizes[i % len(args.sizes)]
+                pod_file = write_config(work, f"pod{i}.json", pod_config(
+                    ctd, work, f"b{i}", annotations=annotations(size)))
                 started = time.monotonic()
                 pod_id = crictl.runp(pod_file, runtime="podvm")
                 ready.append(time.monotonic() - started)
@@ -100,7 +126,8 @@ def main() -> int:
                 crictl.run("stopp", pod_id)
                 crictl.run("rmp", pod_id)
                 spent.append(phases(ctd.log(), pod_id))
-                print(f"pod {i}: runp to ready {ready[-1]:.2f} s ("
+                print(f"pod {i} ({size[0]} vCPUs, {size[1]} MiB): runp to ready "
+                      f"{ready[-1]:.2f} s ("
                       + ", ".join(f"{name} {t:.2f}" for (name, _), t in zip(PHASES, spent[-1]))
                       + ")", flush=True)
             if args.keep_log:
@@ -113,6 +140,12 @@ def main() -> int:
         print(f"  with templates     first pod (boots and saves the template) "
               f"{ready[0]:.2f} s, the others (restore it) median "
               f"{statistics.median(ready[1:]):.2f} s")
+    if len(args.sizes) > 1:
+        for k, size in enumerate(args.sizes):
+            of_size = [t for i, t in enumerate(ready) if i % len(args.sizes) == k and i > 0]
+            if of_size:
+                print(f"  {size[0]} vCPUs, {size[1]:4} MiB  restored pods' median "
+                      f"{statistics.median(of_size):.2f} s ({len(of_size)} pods)")
     spent = [p for p in spent if p]
     if spent:
         print("  median by phase    " + ", ".join(

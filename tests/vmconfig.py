@@ -56,8 +56,9 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
+    lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
-                "boot_timeout"):
+                "boot_timeout", "template_max_count", "template_max_mib"):
         lines.append(f"{key} = {getattr(q, key)}")
     lines.append("[runtime]")
     for key, value in (runtime or {}).items():

@@ -122,14 +122,17 @@ class Machine(MachineResize):
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
             info = await self._connect(template, vm)
+            if template is not None:
+                self.record(restored_from=template.key)
+            self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+            if template is not None:
+                await self.grow_restored()
         except BaseException as exc:
             await self._boot_failed(vm, exc)
             raise
+        assert self.state.vm is not None
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
-                 info.kernel_release, info.online_cpus, info.memory_total_bytes >> 20)
-        if template is not None:
-            self.record(restored_from=template.key)
-        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+                 info.kernel_release, self.state.vm.online_cpus, self.state.vm.memory_total_mib)
 
     def _spec(self) -> VMSpec:
         """The VM the plan sizes, its directories made."""
@@ -189,10 +192,11 @@ class Machine(MachineResize):
         q = self.config.qemu
         if q.enable_template and not self.config.runtime.static_sandbox_resource_mgmt and \
                 templatestore.store_trusted(q.template_path):
-            template = templates.of(vm.spec)
+            shape = templates.base_of(vm.spec, q.default_vcpus, q.default_memory)
+            template = templates.of(shape)
             lock = None if template.exists() else template.lock()
             if lock is not None and not templatestore.make_room(
-                    q.template_path, vm.spec.memory_mib << 20, q.template_max_count,
+                    q.template_path, shape.memory_mib << 20, q.template_max_count,
                     q.template_max_mib << 20):
                 log.info("sandbox %s: no room for a template of its shape (template_max_"
                          "count, template_max_mib, or the disk); booting", self.id)
@@ -201,13 +205,12 @@ class Machine(MachineResize):
             try:
                 if lock is not None:
                     try:
-                        await template.make(vm.spec, preexec, q.template_max_count,
+                        await template.make(shape, preexec, q.template_max_count,
                                             q.template_max_mib << 20)
                     except templates.NotSaved as exc:
                         log.warning("sandbox %s: %s; booting", self.id, exc)
                 if template.exists():
-                    self.vm = restored = vmm.create(
-                        dataclasses.replace(vm.spec, template=True))
+                    self.vm = restored = vmm.create(dataclasses.replace(shape, template=True))
                     try:
                         await restored.launch(preexec=preexec, restore_from=template.saved())
                         log.info("sandbox %s: VM restored from template %s", self.id,

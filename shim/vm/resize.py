@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
@@ -81,6 +82,21 @@ class MachineResize:
         self.record_plan(delta.plan)
         await self.pin()
 
+
+    async def grow_restored(self) -> None:
+        """A VM restored from its class's template (shim/vm/template.py, base_of) grown
+        to the plan's vCPUs and memory by the hot-plug of resize(), before any container
+        runs; one already the plan's size is left as it is."""
+        assert self.vm is not None
+        vcpus, memory = self.vm.spec.vcpus, self.vm.spec.memory_mib
+        if (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
+            return
+        started = time.monotonic()
+        await self.resize(PlanDelta(plan=self.plan, add_vcpus=self.plan.vcpus - vcpus,
+                                    add_memory_mib=self.plan.memory_mib - memory))
+        log.info("sandbox %s: restored at %d vCPUs and %d MiB, grown to %d and %d MiB in "
+                 "%.2fs", self.id, vcpus, memory, self.plan.vcpus, self.plan.memory_mib,
+                 time.monotonic() - started)
 
     async def pin(self) -> None:
         """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1

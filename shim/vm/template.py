@@ -27,7 +27,12 @@ CRNG (reseeded from host entropy), the NICs' MACs (set to the pod's; QEMU announ
 none after the load). What they still share: the agent's own process (its hash seed,
 its address layout), whatever randomness the guest kernel drew during its boot, and so
 the kernel's layout, were it randomized (the PVH-booted vmlinux is not relocated at all:
-README, "Guest"). Containers are all started after Resume.
+README, "Guest"), none of it a secret from another pod (README, "Templates"). Containers
+are all started after Resume.
+
+A template has the boot size of its class, not the pod's (base_of): pods that differ by
+vCPUs or whole blocks of memory share it, and each is grown to its own plan after the
+restore.
 
 Made by the first pod of a shape that finds none (in its own sandbox cgroup, under a
 lock: a second pod of the shape meanwhile boots as without templates), and restored by
@@ -45,6 +50,7 @@ from typing import Callable
 
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
+from ..resources.update import MEMORY_BLOCK_MIB
 from . import memcopy, stateload, templatestore, vmm
 from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
 
@@ -174,6 +180,20 @@ def template_spec(spec: VMSpec) -> VMSpec:
         spec, sandbox_id=f"{spec.sandbox_id}-template", workdir=f"{spec.workdir}-template",
         template=True, saved=True,
         nics=tuple(PlaceholderNic(n.index, n.mtu) for n in spec.nics))
+
+
+def base_of(spec: VMSpec, vcpus: int, memory_mib: int) -> VMSpec:
+    """`spec`'s VM at the boot size of its class, the shape its template has: the
+    configuration's default `vcpus` and `memory_mib` (the size of a pod that asks for
+    nothing), plus the part of its memory that whole hot-plug blocks cannot add. The pod's
+    own size is reached after the restore by the hot-plug that UpdateContainer uses
+    (MachineResize.grow_restored in shim/vm/resize.py), so pods whose limits differ by
+    whole blocks of memory (128Mi, 1Gi, ...) or by vCPUs share one template, and the VM
+    still has exactly the plan's size. Never larger than `spec`."""
+    if spec.memory_mib > memory_mib:
+        memory_mib += (spec.memory_mib - memory_mib) % MEMORY_BLOCK_MIB
+    return dataclasses.replace(spec, vcpus=min(spec.vcpus, vcpus),
+                               memory_mib=min(spec.memory_mib, memory_mib))
 
 
 def of(spec: VMSpec) -> Template:

@@ -2,9 +2,10 @@
 podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
 it and is the pod it asked for: the host's clock, its own MAC on its own network (served
 over HTTP to the host; no frame from the template's MAC on it), its containers on its own
-virtio-fs share, its own boot id (the first pod, restored from the same template, has
-another). A template that no longer
-restores is discarded and the pod boots instead.
+virtio-fs share, its own boot id, random bytes and TCP initial sequence numbers (the
+first pod, restored from the same template, has others). A pod of another size is
+restored from the same template and grown to its plan by hot-plug. A template that no
+longer restores is discarded and the pod boots instead.
 
 The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
 wait is bounded."""
@@ -19,15 +20,17 @@ import time
 
 import pytest
 
+from podvmctl import status
+from shim.resources.annotations import KATA
 from shim.vm.hypervisor import template_mac
 from tests.conftest import require, require_root, require_tool
 from tests.vmconfig import guest_image, write_test_config
 
 from . import bridgenet
 from .containerd import Containerd, shims_of
-from .cri import Crictl
+from .cri import Crictl, write_config
 from .netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
-from .test_crictl import run_container
+from .test_crictl import pod_config, run_container
 from .test_podvm_pods import remove_pod, runp
 
 ETH_P_ALL = 0x0003
@@ -46,7 +49,8 @@ def ctd(tmp_path_factory, image_cache):
     require(not missing, ", ".join(missing))
     guest_image()
     workdir = tmp_path_factory.mktemp("templates")
-    config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"))
+    config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"),
+                               enable_annotations=("default_vcpus", "default_memory"))
     c = Containerd(workdir / "containerd", namespace="podvm-template-test", cri=True,
                    podvm_config=config)
     c.start()
@@ -113,6 +117,26 @@ class FrameSniffer:
         return {":".join(f"{b:02x}" for b in frame[6:12]) for frame in self.frames}
 
 
+def first_syns(ctd: Containerd, crictl: Crictl, containers) -> dict[str, int]:
+    """Source IP -> sequence number of the first SYN each container sends to one peer on
+    the host (a port of the bridge's gateway address, seen on the bridge)."""
+    with socket.socket() as peer:  # bound, not listening: the SYN is answered by a reset
+        peer.bind((str(ctd.network.gateway), 0))
+        port = peer.getsockname()[1]
+        with FrameSniffer(ctd.network.bridge) as sniffer:
+            for c in containers:  # wget fails at once; its SYN is what counts
+                crictl.exec(c, "wget", "-q", "-O", "/dev/null",
+                            f"http://{ctd.network.gateway}:{port}/", timeout=30)
+    syns: dict[str, int] = {}
+    for frame in sniffer.frames:
+        if frame[12:14] != b"\x08\x00" or frame[23] != socket.IPPROTO_TCP:
+            continue
+        tcp = frame[14 + (frame[14] & 0x0F) * 4:]
+        if int.from_bytes(tcp[2:4], "big") == port and tcp[13] & 0x12 == 0x02:  # SYN only
+            syns.setdefault(socket.inet_ntoa(frame[26:30]), int.from_bytes(tcp[4:8], "big"))
+    return syns
+
+
 def shim_lines(ctd: Containerd, pod_id: str, needle: str) -> list[str]:
     return [line for line in ctd.log().splitlines() if pod_id in line and needle in line]
 
@@ -177,21 +201,67 @@ def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
                      for c in (cid, other)]
             assert all(d.exit_code == 0 and d.stdout.strip() for d in drawn), drawn
             assert drawn[0].stdout != drawn[1].stdout, drawn
+            # And each its own randomness: the first bytes its container reads from
+            # /dev/urandom and /dev/random (getrandom(2)'s CRNG since Linux 5.6; the agent's
+            # Resume reseeded it with host entropy), and the initial sequence number of a
+            # TCP connection to one peer on the host (from the kernel's TCP secret, drawn
+            # at its first use, which no template makes).
+            randoms = [crictl.exec(c, "sh", "-c", "head -c 16 /dev/urandom | od -An -tx1; "
+                                   "head -c 16 /dev/random | od -An -tx1", timeout=30)
+                       for c in (cid, other)]
+            assert all(r.exit_code == 0 and len(r.stdout.split()) == 32 for r in randoms), \
+                randoms
+            assert randoms[0].stdout != randoms[1].stdout, randoms
+            isns = first_syns(ctd, crictl, (cid, other))
+            assert len(isns) == 2 and len(set(isns.values())) == 2, isns
         finally:
             remove_pod(crictl, second)
     finally:
         remove_pod(crictl, first)
 
 
-def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
-        ctd, crictl, configs) -> None:
+def the_template(ctd: Containerd, crictl: Crictl, configs: pathlib.Path) -> str:
+    """The key of the default shape's template, made by a first pod when the tests before
+    (run alone: -k) made none."""
     made = templates(ctd)
-    if not made:  # alone (-k): the first pod makes it
+    if not made:
         pod, _ = runp(crictl, ctd, configs, "tpl-maker")
         remove_pod(crictl, pod)
         made = templates(ctd)
-    assert len(made) == 1
-    key = next(iter(made))
+    assert len(made) == 1, made
+    return next(iter(made))
+
+
+def test_a_pod_of_another_size_is_restored_from_the_template_and_grown_to_its_plan(
+        ctd, crictl, configs) -> None:
+    """vCPUs and memory mint no template (a pod author varying them cannot fill the
+    node's disk): a pod of 2 vCPUs and 256 + 3 x 128 MiB restores the default shape's
+    template, then gets exactly its own size by hot-plug before its first container."""
+    key = the_template(ctd, crictl, configs)
+    pod_file = write_config(configs, "pod-tpl-big.json", pod_config(
+        ctd, configs, "tpl-big", annotations={KATA + "default_vcpus": "2",
+                                              KATA + "default_memory": "640"}))
+    pod = crictl.runp(pod_file, runtime="podvm")
+    try:
+        assert shim_lines(ctd, pod, f"VM restored from template {key}")
+        assert shim_lines(ctd, pod, "grown to 2 and 640 MiB"), ctd.log()[-3000:]
+        assert list(templates(ctd)) == [key], "no template of the pod's own size"
+        vm = json.loads((pathlib.Path(status.find(pod)) / "sandbox.json").read_text())["vm"]
+        assert (vm["online_cpus"], vm["qemu_memory_mib"]) == (2, 640), vm
+        cid = run_container(crictl, configs, pod, pod_file, "tpl-big-c", "sleep 600")
+        seen = crictl.exec(cid, "sh", "-c", "nproc; grep MemTotal /proc/meminfo", timeout=30)
+        assert seen.exit_code == 0, seen.stderr
+        cpus, meminfo = seen.stdout.split("\n", 1)
+        assert int(cpus) == 2
+        # The guest's own kernel and its memory map take some of the 640 MiB.
+        assert int(meminfo.split()[1]) >= 0.85 * 640 * 1024, meminfo
+    finally:
+        remove_pod(crictl, pod)
+
+
+def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
+        ctd, crictl, configs) -> None:
+    key = the_template(ctd, crictl, configs)
     state = ctd.templates / f"{key}.vmstate"  # type: ignore[attr-defined]
     with open(state, "r+b") as f:  # what a full disk or a torn copy leaves
         f.truncate(os.path.getsize(state) // 2)
@@ -213,3 +283,29 @@ def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
         assert shim_lines(ctd, pod, f"VM restored from template {key}")
     finally:
         remove_pod(crictl, pod)
+
+
+def test_a_flood_of_shapes_keeps_the_store_within_its_cap(ctd, crictl, configs) -> None:
+    """What a pod author can still vary (here the memory's remainder modulo 128 MiB) mints
+    templates, but never more than template_max_count (1 here): a new shape's template
+    takes the place of the least recently used one, the default shape's, and the pod
+    runs. Last in the module: it leaves the store with a template of another shape."""
+    default = the_template(ctd, crictl, configs)
+    config = pathlib.Path(ctd.podvm_config)
+    good = config.read_text()
+    write_test_config(config, template_path=str(ctd.templates), template_max_count=1,
+                      enable_annotations=("default_vcpus", "default_memory"))
+    try:
+        pod_file = write_config(configs, "pod-tpl-flood.json", pod_config(
+            ctd, configs, "tpl-flood", annotations={KATA + "default_memory": "257"}))
+        pod = crictl.runp(pod_file, runtime="podvm")
+        try:
+            made = templates(ctd)
+            assert len(made) == 1 and default not in made, made
+            (key, meta), = made.items()
+            assert meta["made_by"] == pod and "257M,slots=8" in " ".join(meta["command"])
+            assert shim_lines(ctd, pod, f"VM restored from template {key}")
+        finally:
+            remove_pod(crictl, pod)
+    finally:
+        config.write_text(good)

@@ -4,6 +4,7 @@ devices has. What it does is seen in a restored guest (tests/e2e/test_templates.
 tests/vm/test_template.py)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from guest.agent import resume
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.ttrpc import Code, TtrpcError
+from tests.conftest import require_root
 
 LINKS = {"eth0": "02:70:6f:64:00:00", "eth1": "02:70:6f:64:00:01"}
 
@@ -46,3 +48,42 @@ async def test_a_request_it_cannot_apply_changes_nothing(req, says, monkeypatch)
     with pytest.raises(TtrpcError) as err:
         await resume.resume(req)
     assert err.value.code == Code.INVALID_ARGUMENT and says in err.value.message
+
+
+async def test_the_crng_is_reseeded_right_after_the_clock_before_anything_else(
+        monkeypatch) -> None:
+    """Resume is the first request a restored guest gets (shim/vm/machine.py, _connect),
+    and no process of the pod exists yet: the reseed comes before the NICs get the pod's
+    MACs and before the pod's share is mounted, with the host's entropy as sent."""
+    done: list[tuple] = []
+    monkeypatch.setattr(resume.time, "clock_settime_ns", lambda c, ns: done.append(("clock",)))
+    monkeypatch.setattr(resume, "_reseed", lambda entropy: done.append(("reseed", entropy)))
+    monkeypatch.setattr(resume.network, "links", lambda: dict(LINKS))
+
+    class Netlink:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def apply(self, change):
+            done.append(("mac", change.device, change.address))
+
+    async def mount_share() -> None:
+        done.append(("share",))
+
+    monkeypatch.setattr(resume, "Netlink", Netlink)
+    monkeypatch.setattr(resume, "_mount_share", mount_share)
+    entropy = bytes(range(64))
+    await resume.resume(pb.ResumeRequest(realtime_unix_nanos=time.time_ns(), entropy=entropy,
+                                         macs=[change(LINKS["eth0"], "0a:58:0a:09:00:04")]))
+    assert done == [("clock",), ("reseed", entropy), ("mac", "eth0", "0a:58:0a:09:00:04"),
+                    ("share",)]
+
+
+def test_the_reseed_is_one_a_real_kernel_takes() -> None:
+    """The write and RNDRESEEDCRNG on this machine's own kernel (root: the ioctl needs
+    CAP_SYS_ADMIN): a wrong request number or a kernel without it fails here."""
+    require_root()
+    resume._reseed(os.urandom(64))

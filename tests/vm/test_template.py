@@ -65,6 +65,28 @@ def test_pods_of_one_shape_share_a_key_and_other_shapes_do_not(tmp_path) -> None
     assert templates.of(files_spec(tmp_path, nics=(nic(0, "0a:00:00:00:00:01"),))).key != one.key
 
 
+@pytest.mark.parametrize("vcpus, memory, base", [
+    (1, 256, (1, 256)),               # the default size: its own shape
+    (2, 256 + 3 * 128, (1, 256)),     # vCPUs and whole blocks are hot-plugged after
+    (2, 256 + 1024, (1, 256)),
+    (1, 300, (1, 300)),               # what blocks cannot add stays in the shape
+    (2, 256 + 128 + 44, (1, 300)),
+    (1, 200, (1, 200)),               # smaller than the defaults: never grown down
+])
+def test_a_template_is_of_its_class_s_boot_size(tmp_path, vcpus, memory, base) -> None:
+    q = files_spec(tmp_path).hypervisor
+    shape = templates.base_of(files_spec(tmp_path, vcpus=vcpus, memory_mib=memory),
+                              q.default_vcpus, q.default_memory)
+    assert (shape.vcpus, shape.memory_mib) == base
+
+
+def test_pods_that_differ_by_vcpus_and_whole_blocks_share_a_template(tmp_path) -> None:
+    keys = {templates.of(templates.base_of(
+        files_spec(tmp_path, vcpus=v, memory_mib=256 + 128 * blocks), 1, 256)).key
+        for v in (1, 2) for blocks in range(6)}
+    assert len(keys) == 1
+
+
 def test_prune_removes_templates_of_changed_files_and_states_without_metadata(tmp_path) -> None:
     current = templates.of(files_spec(tmp_path))
     store = pathlib.Path(current.directory)
