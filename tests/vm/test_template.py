@@ -3,10 +3,12 @@ and pruned in template_path, and, on a real QEMU under TCG, a template made, res
 twice and resumed, and a state that does not fit the VM refused as RestoreFailed."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
 import pathlib
+import subprocess
 
 import psutil
 import pytest
@@ -188,17 +190,33 @@ def vm_spec(tmp_path: pathlib.Path, name: str, **changes) -> VMSpec:
     return dataclasses.replace(spec, **changes)
 
 
-async def test_made_restored_twice_and_resumed_on_a_real_qemu(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> templates.Template:
+    """One template made on a real QEMU for the module; each test takes a copy of it."""
+    tmp_path = tmp_path_factory.mktemp("made")
     spec = vm_spec(tmp_path, "maker")
     template = templates.of(spec)
-    await template.make(spec, None)
+    asyncio.run(template.make(spec, None))
     assert template.exists() and not os.path.exists(spec.workdir + "-template")
     assert json.loads(open(template.meta).read())["made_by"] == "maker"
+    return template
+
+
+def copy_of(made: templates.Template, tmp_path: pathlib.Path) -> templates.Template:
+    """`made`'s files (holes kept) in a store of the test's own, to tamper with."""
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700, exist_ok=True)
+    for path in (made.state, made.memory, made.meta):
+        subprocess.run(["cp", "--sparse=always", path, str(store)], check=True)
+    return templates.Template(str(store), made.key, made.inputs)
+
+
+async def test_made_restored_twice_and_resumed_on_a_real_qemu(tmp_path, made) -> None:
     for name in ("one", "two"):
         pod = vm_spec(tmp_path, name, template=True)
-        assert templates.of(pod).key == template.key
+        assert templates.of(pod).key == made.key
         vm = QemuVM(pod)
-        await vm.launch(restore_from=template.saved())
+        await vm.launch(restore_from=made.saved())
         try:
             agent = Agent.of_vm(vm)
             await agent.resume_restored({}, timeout=30)
@@ -209,36 +227,61 @@ async def test_made_restored_twice_and_resumed_on_a_real_qemu(tmp_path) -> None:
             await vm.stop()
 
 
-async def test_a_state_that_does_not_fit_the_vm_is_restore_failed(tmp_path) -> None:
-    spec = vm_spec(tmp_path, "maker")
-    template = templates.of(spec)
-    await template.make(spec, None)
+async def test_a_state_that_does_not_fit_the_vm_is_restore_failed(tmp_path, made) -> None:
     vm = QemuVM(vm_spec(tmp_path, "bigger", template=True, memory_mib=512))
     # Refused before QEMU loads anything: the memory is not the VM's size.
     with pytest.raises(RestoreFailed, match="is 268435456 bytes, not 536870912") as err:
-        await vm.launch(restore_from=template.saved())
-    assert template.memory in str(err.value)
+        await vm.launch(restore_from=made.saved())
+    assert made.memory in str(err.value)
     assert vm.dead()
 
 
-@pytest.mark.parametrize("changed", ["state", "memory"])
-async def test_a_template_changed_since_it_was_saved_is_never_loaded(tmp_path,
-                                                                      changed) -> None:
-    """One byte of either file changed: RestoreFailed before QEMU reads the state (the
-    pod then boots and the template is discarded), and nothing is left running."""
-    spec = vm_spec(tmp_path, "maker")
-    template = templates.of(spec)
-    await template.make(spec, None)
-    path = template.state if changed == "state" else template.memory
+def _flip_a_byte(path: str, memory: bool) -> None:
     with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2 if changed == "state" else
-               os.lseek(f.fileno(), 0, os.SEEK_DATA) + 100)
+        f.seek(os.lseek(f.fileno(), 0, os.SEEK_DATA) + 100 if memory else
+               os.path.getsize(path) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _symlink_to_a_twin(path: str) -> None:
+    """What a swap would start with: the file moved away (still the same bytes, so its
+    digest holds) and a symlink to it left in its place."""
+    twin = f"{path}.twin"
+    os.rename(path, twin)
+    os.symlink(twin, path)
+
+
+def _replaced_by_a_larger_one(path: str) -> None:
+    """A file of the same name with the same start and more after it (what a torn or
+    doctored copy can leave)."""
+    with open(path, "ab") as f:
+        f.write(b"\0" * 4096)
+
+
+@pytest.mark.parametrize("attack, which, says", [
+    (_flip_a_byte, "state", "changed since it was saved"),
+    (_flip_a_byte, "memory", "changed since it was saved"),
+    (_symlink_to_a_twin, "state", "Too many levels of symbolic links"),
+    (_symlink_to_a_twin, "memory", "Too many levels of symbolic links"),
+    (_replaced_by_a_larger_one, "state", "changed since it was saved"),
+    (os.unlink, "state", "cannot read the template"),
+])
+async def test_a_template_changed_since_it_was_saved_is_never_loaded(
+        tmp_path, made, attack, which, says) -> None:
+    """A byte changed, a file swapped for a symlink, grown, or gone: RestoreFailed before
+    QEMU reads the state or runs the memory (the pod then boots and the template is
+    discarded), and nothing is left running."""
+    template = copy_of(made, tmp_path)
+    path = template.state if which == "state" else template.memory
+    if attack is _flip_a_byte:
+        attack(path, which == "memory")
+    else:
+        attack(path)
     vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
     before = _live_children()
-    with pytest.raises(RestoreFailed, match="changed since it was saved") as err:
+    with pytest.raises(RestoreFailed, match=says) as err:
         await vm.launch(restore_from=template.saved())
     assert path in str(err.value)
     assert vm.dead()
@@ -248,14 +291,3 @@ async def test_a_template_changed_since_it_was_saved_is_never_loaded(tmp_path,
 def _live_children() -> set[int]:
     return {c.pid for c in psutil.Process().children(recursive=True)
             if c.is_running() and c.status() != psutil.STATUS_ZOMBIE}
-
-
-async def test_a_template_gone_before_the_load_is_restore_failed(tmp_path) -> None:
-    spec = vm_spec(tmp_path, "maker")
-    template = templates.of(spec)
-    await template.make(spec, None)
-    os.unlink(template.state)
-    vm = QemuVM(vm_spec(tmp_path, "pod", template=True))
-    with pytest.raises(RestoreFailed, match="cannot read the template"):
-        await vm.launch(restore_from=template.saved())
-    assert vm.dead()
