@@ -29,16 +29,9 @@ def node(tmp_path_factory, image_cache):
     """A static-mode node that lets pods carry the sizing annotations."""
     workdir = tmp_path_factory.mktemp("webhook-chain")
     ctd = start_containerd(workdir, image_cache, {"static_sandbox_resource_mgmt": True},
-                           default_maxvcpus=4, default_maxmemory=2048)
+                           default_maxvcpus=4, default_maxmemory=2048,
+                           enable_annotations=("default_vcpus", "default_memory"))
     try:
-        path = ctd.podvm_config
-        with open(path) as f:
-            text = f.read().replace(
-                "[hypervisor.qemu]\n",
-                '[hypervisor.qemu]\nenable_annotations = ["default_vcpus", "default_memory"]\n',
-                1)
-        with open(path, "w") as f:  # read by each shim when its pod starts
-            f.write(text)
         yield ctd
     finally:
         ctd.stop()

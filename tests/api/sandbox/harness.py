@@ -95,12 +95,8 @@ async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ..
     bundle = tmp_path / sandbox_id
     bundle.mkdir()
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
-    config = write_test_config(tmp_path / "podvm.toml", default_maxvcpus=2, boot_timeout=90)
-    if enable_annotations:
-        text = config.read_text().replace(
-            "[hypervisor.qemu]\n", "[hypervisor.qemu]\nenable_annotations = ["
-            + ", ".join(f'"{a}"' for a in enable_annotations) + "]\n", 1)
-        config.write_text(text)
+    config = write_test_config(tmp_path / "podvm.toml", default_maxvcpus=2, boot_timeout=90,
+                               enable_annotations=enable_annotations)
     env = dict(os.environ, PODVM_CONFIG=str(config), TTRPC_ADDRESS=grpc + ".ttrpc")
     if not env_config:
         del env["PODVM_CONFIG"]
