@@ -1,59 +1,42 @@
-"""The webhook's Prometheus metrics, in the text exposition format (version 0.0.4):
+"""The webhook's Prometheus metrics (prometheus_client, in a registry of the server's own,
+never the library's global one, so that two servers in one process count apart):
 admissions by endpoint and verdict, their latency as a histogram, certificate reloads."""
 from __future__ import annotations
 
-import bisect
-from collections import Counter
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 """Seconds: the API server's webhook timeout is a few seconds; most answers take ~1 ms."""
 VERDICTS = ("patched", "allowed", "ignored", "refused", "invalid")
 """patched/allowed: a podvm pod admitted with/without a patch; ignored: another runtime
 class; refused: a podvm pod refused; invalid: a request that is not a Pod review."""
+RELOADS = ("success", "failure")
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str]] = Counter()
-        self.buckets = [0] * len(BUCKETS)
-        self.latency_sum = 0.0
-        self.latency_count = 0
-        self.reloads: Counter[str] = Counter()
+        self.registry = CollectorRegistry()
+        self.requests = Counter("podvm_webhook_requests", "Admission reviews answered, by "
+                                "endpoint and verdict.", ("endpoint", "verdict"),
+                                registry=self.registry)
+        self.latency = Histogram("podvm_webhook_admission_duration_seconds",
+                                 "Time to answer an admission review, its body's read "
+                                 "included.", buckets=BUCKETS, registry=self.registry)
+        self.reloads = Counter("podvm_webhook_certificate_reloads", "Certificate and key "
+                               "reloads after they changed on disk, by result.", ("result",),
+                               registry=self.registry)
+        for result in RELOADS:  # both shown from the start, at 0
+            self.reloads.labels(result)
 
     def observe(self, endpoint: str, verdict: str, seconds: float) -> None:
         assert verdict in VERDICTS, verdict
-        self.requests[(endpoint, verdict)] += 1
-        index = bisect.bisect_left(BUCKETS, seconds)
-        if index < len(self.buckets):
-            self.buckets[index] += 1
-        self.latency_sum += seconds
-        self.latency_count += 1
+        self.requests.labels(endpoint, verdict).inc()
+        self.latency.observe(seconds)
 
     def reloaded(self, ok: bool) -> None:
-        self.reloads["success" if ok else "failure"] += 1
+        self.reloads.labels(RELOADS[0] if ok else RELOADS[1]).inc()
 
-    def render(self) -> str:
-        lines = ["# HELP podvm_webhook_requests_total Admission reviews answered, by "
-                 "endpoint and verdict.",
-                 "# TYPE podvm_webhook_requests_total counter"]
-        lines += [f'podvm_webhook_requests_total{{endpoint="{e}",verdict="{v}"}} {n}'
-                  for (e, v), n in sorted(self.requests.items())]
-        lines += ["# HELP podvm_webhook_admission_duration_seconds Time to answer an "
-                  "admission review, its body's read included.",
-                  "# TYPE podvm_webhook_admission_duration_seconds histogram"]
-        cumulative = 0
-        for bound, count in zip(BUCKETS, self.buckets):
-            cumulative += count
-            lines.append(f'podvm_webhook_admission_duration_seconds_bucket{{le="{bound}"}} '
-                         f"{cumulative}")
-        lines += [f'podvm_webhook_admission_duration_seconds_bucket{{le="+Inf"}} '
-                  f"{self.latency_count}",
-                  f"podvm_webhook_admission_duration_seconds_sum {self.latency_sum:.6f}",
-                  f"podvm_webhook_admission_duration_seconds_count {self.latency_count}",
-                  "# HELP podvm_webhook_certificate_reloads_total Certificate and key "
-                  "reloads after they changed on disk, by result.",
-                  "# TYPE podvm_webhook_certificate_reloads_total counter"]
-        lines += [f'podvm_webhook_certificate_reloads_total{{result="{r}"}} {self.reloads[r]}'
-                  for r in ("success", "failure")]
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

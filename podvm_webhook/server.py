@@ -104,7 +104,7 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render().encode(),
+    return web.Response(body=request.app[METRICS].render(),
                         headers={"Content-Type": CONTENT_TYPE})
 
 

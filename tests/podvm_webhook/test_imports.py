@@ -27,12 +27,13 @@ def test_the_shim_never_loads_the_webhook() -> None:
     shim = loaded("shim.contract.cli", "shim.contract.manager", "shim.contract.daemon",
                   "shim.pod.pod", "podvmctl.cli")
     assert "shim.pod.pod" in shim  # the probe does load what it names
-    assert not {m for m in shim if m.split(".")[0] in ("aiohttp", "yaml")
-                or m.startswith("podvm_webhook")}
+    assert not {m for m in shim if m.split(".")[0] in ("aiohttp", "yaml", "prometheus_client")
+                or m.startswith(("podvm_webhook", "podvm_node"))}
 
 
 def test_plan_shares_the_policy_without_the_server() -> None:
     plan = loaded("podvmctl.plan")
     assert "podvm_webhook.policy" in plan
     assert not {m for m in plan if m.split(".")[0] == "aiohttp" or m == "podvm_webhook.server"}
-    assert "aiohttp" in loaded("podvm_webhook.cli")
+    assert not {m for m in plan if m.split(".")[0] == "prometheus_client"}
+    assert {"aiohttp", "prometheus_client"} <= loaded("podvm_webhook.cli")

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shim.config import load
 from shim.resources.annotations import KATA, apply_kata_overrides
@@ -214,10 +215,13 @@ def test_metrics_count_verdicts_and_time_every_answer(dynamic_webhook) -> None:
 
 
 def metrics(webhook) -> dict[str, float]:
+    """Every sample as Prometheus' own parser reads it, keyed `name{label="value",...}`."""
     answer = webhook.get("/metrics")
     assert answer.status == 200
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in answer.body.decode().splitlines() if line and not line.startswith("#")}
+    return {s.name + ("{" + ",".join(f'{k}="{v}"' for k, v in s.labels.items()) + "}"
+                      if s.labels else ""): s.value
+            for family in text_string_to_metric_families(answer.body.decode())
+            for s in family.samples}
 
 
 def test_a_certificate_replaced_on_disk_serves_new_connections(webhook) -> None:
