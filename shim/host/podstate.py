@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import json
 import os
 import types
@@ -80,6 +81,16 @@ class PodState:
     """podvm's taps in the namespace."""
     restored_from: str = ""
     """The key of the template the VM was restored from; "" when it booted."""
+    pod_name: str = ""
+    pod_namespace: str = ""
+    """Kubernetes' name for the pod ("" outside Kubernetes), for podvm_node/collect.py's
+    metric labels."""
+    boot_seconds: float = 0.0
+    """From QEMU's launch (or restore) to the guest agent's first answer; 0 before."""
+    agent_rtt_seconds: float = 0.0
+    """One Ping round trip to the guest agent once it is up; 0 before."""
+    guest_oom_kills: int = 0
+    """Containers the guest's OOM killer ended, as the agent reported them."""
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -138,7 +149,7 @@ def dataclass_from_json(cls: type, data: object, where: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise PodStateError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for name, f in fields.items():
         if name in data:
@@ -149,6 +160,13 @@ def dataclass_from_json(cls: type, data: object, where: str) -> Any:
         return cls(**values)
     except (TypeError, ValueError, CgroupError) as exc:
         raise PodStateError(f"{where}: {exc}") from None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """Once per class: get_type_hints compiles every annotation string anew (most of the
+    time a load takes, which the node monitor pays per sandbox per scrape)."""
+    return typing.get_type_hints(cls)
 
 
 def _value(hint: Any, value: object, where: str) -> Any:

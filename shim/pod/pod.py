@@ -63,6 +63,7 @@ class Pod(PodContainers, PodResize):
         self.id = request.id
         self.netns = request.netns
         self.cgroups_path = request.cgroups_path
+        self.pod_name = (request.pod_name, request.pod_namespace)
         self.config = cfg
         self.planner = planner
         self.created_plan = planned(planner.plan)
@@ -145,7 +146,7 @@ class Pod(PodContainers, PodResize):
             self.planner.boot = planned(self.planner.plan)
             try:
                 machine = Machine(self.namespace, self.id, self.config, self.planner.boot,
-                                  self.cgroups_path, self.netns)
+                                  self.cgroups_path, self.netns, self.pod_name)
             except cgroups.CgroupError as exc:
                 raise StepFailed(f"cgroup of sandbox {self.id}", exc) from None
             for line in machine.plan.explanation:
@@ -162,6 +163,7 @@ class Pod(PodContainers, PodResize):
         log.info("sandbox %s: VM ready in %.2fs", self.id, time.monotonic() - started)
         self.machine, self._allocator = machine, allocator
         self._spawn(self._watch_vm(machine))
+        self._spawn(machine.time_agent())
         self._spawn(self._watch_oom(machine))
         if self.planner.shared_pool is not None:
             self._spawn(self._watch_pool())
@@ -243,6 +245,9 @@ class Pod(PodContainers, PodResize):
     def _tell_oom(self, container_id: str) -> None:
         for listener in self._listeners:
             listener.container_oom(container_id)
+        machine = self.machine
+        if machine is not None:  # counted for the node's metrics (podvm_node/collect.py)
+            machine.record(guest_oom_kills=machine.state.guest_oom_kills + 1)
 
     # --- looking ---------------------------------------------------------------------
 

@@ -27,6 +27,9 @@ class PodRequest:
     cgroups_path: str = ""
     """Where the sandbox container's cgroup would be (either syntax): the sandbox cgroup
     goes under its parent, the pod cgroup."""
+    pod_name: str = ""
+    pod_namespace: str = ""
+    """Kubernetes' name and namespace of the pod, recorded for the node's metrics."""
     netns: str = ""
     """The pod's network namespace as containerd made it (CNI's interfaces in it become
     the VM's); "" for a pod with a network of its own and no interface."""

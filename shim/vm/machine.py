@@ -43,10 +43,13 @@ T = TypeVar("T")
 
 class Machine(MachineResize):
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
-                 plan: SandboxPlan, cgroups_path: str = "", netns: str = "") -> None:
+                 plan: SandboxPlan, cgroups_path: str = "", netns: str = "",
+                 pod_name: tuple[str, str] = ("", "")) -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
         the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
-        network namespace, whose interfaces become the VM's ("": the VM has none)."""
+        network namespace, whose interfaces become the VM's ("": the VM has none).
+        `pod_name`: Kubernetes' name and namespace of the pod, recorded for the node's
+        metrics."""
         self.id = sandbox_id
         self.netns = netns
         self.config = config
@@ -60,7 +63,8 @@ class Machine(MachineResize):
         self.vm_dir = os.path.join(self.dir, "vm")
         self.vm: VM | None = None
         self.agent: Agent | None = None
-        self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan)
+        self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan,
+                              pod_name=pod_name[0], pod_namespace=pod_name[1])
         """What is persisted in sandbox.json, replaced (and saved) by record()."""
         self._watch: asyncio.Task | None = None
         self._port_forwarder: "PortForwarder | None" = None
@@ -116,14 +120,15 @@ class Machine(MachineResize):
                 assert network_worker is not None
                 nics = await self._attach_network(network_worker)
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
+            started = time.monotonic()
             try:
                 template = await self._launch(vm)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
             info = await self._connect(template, vm)
-            if template is not None:
-                self.record(restored_from=template.key)
+            self.record(restored_from=template.key if template is not None else "",
+                        boot_seconds=time.monotonic() - started)
             self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
             if template is not None:
                 await self.grow_restored()
@@ -133,6 +138,18 @@ class Machine(MachineResize):
         assert self.state.vm is not None
         log.info("sandbox %s: guest up, kernel %s, %d vCPUs, %d MiB", self.id,
                  info.kernel_release, self.state.vm.online_cpus, self.state.vm.memory_total_mib)
+
+    async def time_agent(self) -> None:
+        """One round trip to the agent, recorded for the node's metrics: after the boot,
+        whose own ping mostly waited for the agent to come up, and off its path."""
+        assert self.agent is not None
+        started = time.monotonic()
+        try:
+            await self.agent.ping(timeout=self.config.qemu.boot_timeout)
+        except Exception as exc:  # the watches report a guest that is gone
+            log.debug("sandbox %s: agent round trip not timed: %s", self.id, exc)
+            return
+        self.record(agent_rtt_seconds=time.monotonic() - started)
 
     def _spec(self) -> VMSpec:
         """The VM the plan sizes, its directories made."""
@@ -155,6 +172,7 @@ class Machine(MachineResize):
         self.record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
         self.agent = Agent.of_vm(self.vm)
         if template is not None:  # before anything else is asked of the guest
+            started = time.monotonic()
             try:
                 await self.agent.resume_restored(
                     {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
@@ -162,6 +180,7 @@ class Machine(MachineResize):
                 if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
                     template.discard(f"the guest restored from it did not resume: {exc}")
                 raise
+            log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
         # The agent takes the network before it has answered the ping: one round trip less.
         network = self.state.network
         info, *_ = await _together(

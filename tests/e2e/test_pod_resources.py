@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from shim.host import paths
+from shim.host.podstate import PodState, state_path
 from podvmctl import status
 from shim.config import MEASURED_OVERHEAD_MIB
 from tests.conftest import require_root, require_tool
@@ -243,6 +244,9 @@ def test_an_oom_kill_reads_as_oomkilled(dynamic_ctd, tmp_path) -> None:
                 "state"] == "CONTAINER_EXITED" and s, timeout=120)
             assert (state["reason"], state["exitCode"]) == \
                 ("OOMKilled", 137 if name == "init" else 3), (name, state)
+        # counted in sandbox.json for the node's metrics (podvm_node/monitor.py)
+        recorded = PodState.load(state_path(paths.state_dir(CRI_NAMESPACE, pod_id)))
+        assert recorded.guest_oom_kills == len(ids)
         events.terminate()
         published = events.communicate(timeout=30)[0].splitlines()
         for name, cid in ids.items():

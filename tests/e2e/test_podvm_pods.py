@@ -18,7 +18,9 @@ import pytest
 
 from shim.host import paths
 from shim.host.cleanup import processes_of
+from shim.host.podstate import PodState, state_path
 from tests.conftest import require_root, require_tool
+from tests.podvm_node.test_monitor import Monitor, by_sandbox
 from tests.vmconfig import GUEST, guest_image, write_test_config
 
 from .containerd import (CRI_NAMESPACE, Containerd, in_mount_namespace, mount_namespace,
@@ -200,6 +202,40 @@ def test_stats_come_from_the_guest(crictl, pod) -> None:
     stats = crictl.run("stats", "-o", "json").json()["stats"]
     by_id = {s["attributes"]["id"]: s for s in stats}
     assert int(by_id[pod["a"]]["memory"]["workingSetBytes"]["value"]) > 0
+
+
+def test_the_node_monitor_serves_the_running_pod(pod, tmp_path) -> None:
+    """`podvm-node monitor` (podvm_node/monitor.py) on this pod's real state: the
+    sandbox.json its shim wrote, its cgroup, its QEMU's and virtiofsd's threads."""
+    state = PodState.load(state_path(paths.state_dir(CRI_NAMESPACE, pod["id"])))
+    monitor = Monitor(tmp_path)
+    try:
+        samples = monitor.samples()
+    finally:
+        status, _ = monitor.stop()
+    assert status == 0, monitor.log.read_text()
+
+    def value(name: str) -> float:
+        return by_sandbox(samples, name)[pod["id"]]
+
+    labels = next(s.labels for s in samples["podvm_sandbox_running"]
+                  if s.labels["sandbox_id"] == pod["id"])
+    assert (labels["pod"], labels["namespace"]) == ("vm-two", "podvm-test")
+    assert value("podvm_sandbox_running") == 1 and value("podvm_sandbox_restored") == 0
+    assert state.vm is not None
+    assert value("podvm_sandbox_plan_vcpus") == state.plan.vcpus
+    assert value("podvm_sandbox_guest_online_vcpus") == state.vm.online_cpus
+    assert value("podvm_sandbox_guest_memory_total_bytes") == state.vm.memory_total_mib << 20
+    assert 0 < value("podvm_sandbox_boot_seconds") < 120
+    assert 0 < value("podvm_sandbox_agent_rtt_seconds") < 5
+    assert value("podvm_sandbox_memory_charged_bytes") > 16 << 20  # the guest's RAM touched
+    cpu = {s.labels["role"]: s.value for s in samples["podvm_sandbox_vmm_cpu_seconds_total"]
+           if s.labels["sandbox_id"] == pod["id"]}
+    assert cpu["vcpu"] > 0 and cpu["main"] > 0 and "files" in cpu, cpu
+    assert value("podvm_sandbox_guest_oom_kills_total") == 0
+    assert value("podvm_sandbox_host_oom_kills_total") == 0  # read from memory.oom_control
+    print(f"boot {value('podvm_sandbox_boot_seconds'):.2f}s, agent round trip "
+          f"{value('podvm_sandbox_agent_rtt_seconds') * 1000:.2f} ms")
 
 
 def test_exit_code_7_and_stop_gives_137(ctd, crictl, configs, pod) -> None:

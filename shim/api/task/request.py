@@ -12,14 +12,20 @@ from ...pod.request import PodRequest
 from ...resources import Host
 from ...resources.planner import PodPlanner
 
+POD_NAME = "io.kubernetes.cri.sandbox-name"
+POD_NAMESPACE = "io.kubernetes.cri.sandbox-namespace"
+
 
 def pod_request(namespace: str, sandbox_id: str, spec: dict) -> PodRequest:
     linux = spec.get("linux") or {}
     cgroups_path = linux.get("cgroupsPath") or ""
     namespaces = spec_namespaces(spec)
+    annotations = spec.get("annotations") or {}
     return PodRequest(
         namespace=namespace, id=sandbox_id, planner=_planner(spec, cgroups_path),
         cgroups_path=cgroups_path, netns=namespaces.get("network", ""),
+        pod_name=annotations.get(POD_NAME, ""),
+        pod_namespace=annotations.get(POD_NAMESPACE, ""),
         # A namespace the spec does not list is the host's.
         host_namespaces=tuple(ns for ns in HOST_NAMESPACES if ns not in namespaces),
         sysctls=linux.get("sysctl") or {})
