@@ -162,6 +162,7 @@ def plan(spec: VMSpec) -> Jail:
     for path in (q.path, q.kernel, q.initrd, q.image):
         # the path QEMU is given, and where a symlink there leads (one under /usr)
         binds.extend(Bind(p) for p in {path, os.path.realpath(path)})
+    binds.extend(Bind(p) for p in own_prefix(q.path))
     binds.append(Bind(spec.workdir, writable=True))
     serves_files = q.shared_fs == "virtio-9p"
     if serves_files:
@@ -170,6 +171,15 @@ def plan(spec: VMSpec) -> Jail:
     binds.extend(Bind(d, writable=True, device=True) for d in devices if os.path.exists(d))
     return Jail(root=os.path.join(spec.workdir, "jail"), binds=_outermost(binds),
                 links=tuple(links), keep=KEEP if serves_files else ())
+
+
+def own_prefix(qemu_path: str) -> list[str]:
+    """The libraries and data of a QEMU installed under a prefix of its own (<prefix>/bin:
+    podvm_node/bundle.py's /opt/podvm), which its loader and QEMU look for there; none
+    for a QEMU under /usr, bound whole."""
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(qemu_path)))
+    return [p for p in (os.path.join(prefix, "lib"), os.path.join(prefix, "share", "qemu"))
+            if os.path.isdir(p)]
 
 
 def _outermost(binds: list[Bind]) -> tuple[Bind, ...]:

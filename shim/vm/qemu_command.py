@@ -25,6 +25,17 @@ FS_CHARDEV = "fs"
 ROOT_IMAGE = "rootfs"
 """The id of the root image's memory backend and virtio-pmem device."""
 QBOOT = "/usr/share/qemu/qboot.rom"
+
+
+def qboot(qemu_path: str) -> str:
+    """The qboot of the QEMU at `qemu_path`: one installed under a prefix of its own
+    (podvm_node/bundle.py's /opt/podvm/bin) carries it in that prefix's share/qemu,
+    where QEMU itself looks for its data; Debian's is QBOOT."""
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(qemu_path)))
+    beside = os.path.join(prefix, "share", "qemu", "qboot.rom")
+    return beside if os.path.isfile(beside) else QBOOT
+
+
 # Each skips probing a microVM does not need; measured under TCG (README, "Guest"). The second
 # half skips boot work no pod VM uses (-0.4 s to /init under TCG): crypto self-tests, the
 # KDF self-test, kprobe events, module-signing and encrypted-key keyrings (modules load
@@ -156,7 +167,7 @@ def command(s: VMSpec) -> list[str]:
     return [
         q.path, "-name", f"podvm-{s.sandbox_id},debug-threads=on",
         "-machine", f"q35,memory-backend={RAM}", "-accel", accel, "-cpu", cpu,
-        "-bios", QBOOT, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
+        "-bios", qboot(q.path), "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
         "-S",  # paused until QMP is attached, so no early event is missed
         "-smp", f"{present},maxcpus={maxcpus}",
         "-m", f"{s.memory_mib}M,slots=8,maxmem={maxmem}M",

@@ -14,7 +14,7 @@ from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..resources.update import MEMORY_BLOCK_MIB
 from . import qemu_command
 from .hypervisor import MissingFile, VMExited, VMSpec
-from .qemu_command import QBOOT
+from .qemu_command import qboot
 
 log = logging.getLogger("podvm.qemu")
 
@@ -40,8 +40,8 @@ def check_files(spec: VMSpec) -> None:
         raise MissingFile(f"image {q.image} is {os.path.getsize(q.image)} bytes, not a "
                           f"multiple of {MEMORY_BLOCK_MIB} MiB (a guest memory block): "
                           f"build it with guest/build.py")
-    if not os.path.isfile(QBOOT):
-        raise MissingFile(f"{QBOOT} (qboot firmware) does not exist: install the "
+    if not os.path.isfile(qboot(q.path)):
+        raise MissingFile(f"{qboot(q.path)} (qboot firmware) does not exist: install the "
                           f"qemu-system-x86 package")
 
 
