@@ -36,7 +36,7 @@ GUEST_MAY_IMPORT = ("podvm_core", "guest")
 """The guest agent and image builder: a separate machine, sharing podvm_core only."""
 
 PRODUCTION = ("shim", "podvm_core", "cgroups", "podvmctl", "podvm_webhook", "podvm_node",
-              "guest")
+              "guest", "images")
 MODULE_MAX_LINES = 400
 FUNCTION_MAX_LINES = 60
 
@@ -321,7 +321,7 @@ def test_only_the_api_makes_ttrpc_errors():
 
 
 CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|podvm_node|guest|"
-                   r"tests|bench|docs|packaging|protos|\.ci)/[\w./-]*[\w/]|[\w-]+\.md)\b")
+                   r"tests|bench|docs|packaging|protos|images|\.ci)/[\w./-]*[\w/]|[\w-]+\.md)\b")
 
 
 def _cited(text: str) -> set[str]:
