@@ -8,17 +8,21 @@ BINDIR ?= /usr/local/bin
 CONFDIR ?= /etc/podvm
 GUESTDIR ?= /usr/share/podvm
 GUEST_BUILD := build/guest
+BUNDLE_DIR := build/node-bundle
 
 # Debian packages: the runtime's own needs, then what the tests add.
 # erofs-utils: the guest's root image is built where podvm is installed.
 # iptables: the nat rule that brings CRI PortForward into the VM (shim/network/portforward.py).
 RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils iptables
-TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2 gcc libc6-dev
+TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2 gcc libc6-dev \
+	patchelf
+# skopeo: the images' archives read by a registry client (tests/images).
+TEST_DEBS += skopeo
 
 STAMP := $(VENV)/.podvm-installed
 SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)
 
-.PHONY: help deps test-deps venv gen guest install uninstall test test-busy bench demo clean
+.PHONY: help deps test-deps venv gen guest bundle images install uninstall test test-busy bench demo clean
 
 help:
 	@echo "make demo       run the demo on a private containerd (installs what it needs)"
@@ -29,6 +33,8 @@ help:
 	@echo "make bench      print the benchmarks' figures"
 	@echo "make gen        regenerate the protobuf modules (podvm_core/pb)"
 	@echo "make guest      build the guest image (kernel + initramfs) into $(GUEST_BUILD)"
+	@echo "make bundle     build the tree podvm-node install puts in /opt/podvm into $(BUNDLE_DIR)"
+	@echo "make images     build the podvm-webhook and podvm-node images into build/images"
 
 deps:
 	@$(call apt_install,$(RUNTIME_DEBS))
@@ -62,6 +68,16 @@ gen: $(STAMP)
 # Cached: rebuilt only when its inputs (package versions, agent sources) change.
 guest: $(STAMP)
 	$(VENV)/bin/python guest/build.py --out $(GUEST_BUILD)
+
+# The self-contained podvm a node gets in /opt/podvm (podvm_node/bundle.py): Debian's
+# QEMU and Python with their libraries, podvm, the guest. Cached like the guest.
+bundle: guest
+	$(VENV)/bin/python -m podvm_node.bundle --out $(BUNDLE_DIR)
+
+# OCI layouts and archives of podvm-webhook and podvm-node, no Docker daemon; cached like
+# the guest (images/build.py).
+images: guest
+	$(VENV)/bin/python -m images.build --out build/images
 
 install: deps
 	@[ -x $(PREFIX)/venv/bin/python ] || $(PYTHON) -m venv $(PREFIX)/venv
@@ -111,6 +127,7 @@ bench: guest
 	$(VENV)/bin/python bench/fs_bench.py
 	$(VENV)/bin/python bench/fs_bench.py --runtime-only podvm --shared-fs virtio-9p
 	$(VENV)/bin/python bench/webhook_bench.py
+	$(VENV)/bin/python bench/monitor_bench.py
 
 demo: guest
 	$(VENV)/bin/python -m tests.e2e.demo
