@@ -14,7 +14,7 @@ default size (1:256) and a larger pod is grown to its own by hot-plug: the figur
 show what the hot-plug costs.
 
 usage: python bench/pod_bench.py [--pods N] [--accel tcg|kvm] [--no-template]
-                                 [--sizes V:M,...]
+                                 [--sizes V:M,...] [--shared-fs virtio-fs|virtio-9p]
 """
 from __future__ import annotations
 
@@ -98,6 +98,8 @@ def main() -> int:
                         help="every pod boots its guest (enable_template = false)")
     parser.add_argument("--keep-log", type=pathlib.Path, metavar="FILE",
                         help="copy containerd's log (the shims' lines included) to FILE")
+    parser.add_argument("--shared-fs", default="virtio-fs", choices=("virtio-fs", "virtio-9p"),
+                        help="how the pod's files reach the guest (shared_fs)")
     parser.add_argument("--sizes", default="1:256", type=sizes,
                         help="vCPUs:MiB of the pods in turn (default 1:256, the default size)")
     args = parser.parse_args()
@@ -105,6 +107,7 @@ def main() -> int:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    enable_template=not args.no_template,
+                                   shared_fs=args.shared_fs,
                                    template_path=str(work / "templates"),
                                    enable_annotations=("default_vcpus", "default_memory"))
         with Containerd(work / "containerd", namespace="podvm-bench", cri=True,
