@@ -29,7 +29,8 @@ import google.protobuf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cpio import CpioWriter  # noqa: E402
-from debian import download, erofs_utils_version, kernel_package, unpack, versions  # noqa: E402
+from debian import (download, erofs_utils_version, kernel_package, remove, unpack,  # noqa: E402
+                    versions)
 from elfneeded import NotElf64, drop_needed, needed  # noqa: E402
 from kernel import (MODULES, ON_DEMAND, ROOT_MODULES, extract_vmlinux,  # noqa: E402
                     module_names, module_paths, module_tree, on_demand_modules)
@@ -131,12 +132,7 @@ def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
 def stage_root(debs: list[pathlib.Path], staging: pathlib.Path) -> None:
     for deb in debs:
         unpack(deb, staging)
-    for pattern in PRUNE:
-        for target in staging.glob(pattern):
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
+    remove(staging, PRUNE)
     for codec in (staging / "usr/lib/python3.11/encodings").glob("*.py"):
         if codec.stem not in KEEP_ENCODINGS:
             codec.unlink()

@@ -4,6 +4,7 @@ first when a package cannot be resolved."""
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 
 KERNEL_META = "linux-image-amd64"
@@ -52,3 +53,14 @@ def download(packages: list[str], into: pathlib.Path) -> list[pathlib.Path]:
 def unpack(deb: pathlib.Path, into: pathlib.Path) -> None:
     """The files of the package `deb` under `into` (no maintainer scripts run)."""
     subprocess.run(["dpkg-deb", "-x", str(deb), str(into)], check=True)
+
+
+def remove(staging: pathlib.Path, patterns: list[str]) -> None:
+    """What unpacked packages bring that nothing in the image uses (docs, man pages...):
+    every path under `staging` matching one of `patterns` (globs), a tree removed whole."""
+    for pattern in patterns:
+        for target in staging.glob(pattern):
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()

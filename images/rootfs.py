@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 
-from guest.debian import download, unpack, versions
+from guest.debian import download, remove, unpack, versions
 
 WEBHOOK_PACKAGES = [
     "python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "libc6",
@@ -99,12 +99,7 @@ def stage_debian(debs: dict[str, pathlib.Path], staging: pathlib.Path,
 
 def prune(staging: pathlib.Path) -> None:
     """Drop what no process of the images uses, and sources of compiled extensions."""
-    for pattern in PRUNE:
-        for target in staging.glob(pattern):
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
+    remove(staging, PRUNE)
     for cache in list(staging.rglob("__pycache__")):
         shutil.rmtree(cache)
     for pattern in ("*.pyi", "*.pyx", "*.pxd", "*.c", "*.h"):
