@@ -23,6 +23,7 @@ from ..host import beneath
 from ..host.libc import last_errno, libc
 from . import pidfilter
 from .hypervisor import VMSpec
+from .qemu_command import install_prefix
 
 CLONE_NEWNS = 0x00020000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
@@ -175,9 +176,9 @@ def plan(spec: VMSpec) -> Jail:
 
 def own_prefix(qemu_path: str) -> list[str]:
     """The libraries and data of a QEMU installed under a prefix of its own (<prefix>/bin:
-    podvm_node/bundle.py's /opt/podvm), which its loader and QEMU look for there; none
-    for a QEMU under /usr, bound whole."""
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(qemu_path)))
+    podvm_node/bundle.py's /opt/podvm), which its loader and QEMU look for there; for a
+    QEMU under /usr they are inside /usr, bound whole already (_outermost drops them)."""
+    prefix = install_prefix(qemu_path)
     return [p for p in (os.path.join(prefix, "lib"), os.path.join(prefix, "share", "qemu"))
             if os.path.isdir(p)]
 

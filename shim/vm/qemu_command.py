@@ -27,12 +27,18 @@ ROOT_IMAGE = "rootfs"
 QBOOT = "/usr/share/qemu/qboot.rom"
 
 
+def install_prefix(qemu_path: str) -> str:
+    """The prefix the QEMU at `qemu_path` is installed under (<prefix>/bin/...: /usr, or
+    podvm_node/bundle.py's /opt/podvm): its loader finds its libraries in <prefix>/lib,
+    QEMU its data (firmware, modules' ROMs) in <prefix>/share/qemu."""
+    return os.path.dirname(os.path.dirname(os.path.realpath(qemu_path)))
+
+
 def qboot(qemu_path: str) -> str:
     """The qboot of the QEMU at `qemu_path`: one installed under a prefix of its own
-    (podvm_node/bundle.py's /opt/podvm/bin) carries it in that prefix's share/qemu,
-    where QEMU itself looks for its data; Debian's is QBOOT."""
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(qemu_path)))
-    beside = os.path.join(prefix, "share", "qemu", "qboot.rom")
+    carries it in that prefix's share/qemu, where QEMU itself looks for its data;
+    Debian's is QBOOT."""
+    beside = os.path.join(install_prefix(qemu_path), "share", "qemu", "qboot.rom")
     return beside if os.path.isfile(beside) else QBOOT
 
 

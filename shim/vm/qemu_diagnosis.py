@@ -40,8 +40,9 @@ def check_files(spec: VMSpec) -> None:
         raise MissingFile(f"image {q.image} is {os.path.getsize(q.image)} bytes, not a "
                           f"multiple of {MEMORY_BLOCK_MIB} MiB (a guest memory block): "
                           f"build it with guest/build.py")
-    if not os.path.isfile(qboot(q.path)):
-        raise MissingFile(f"{qboot(q.path)} (qboot firmware) does not exist: install the "
+    firmware = qboot(q.path)
+    if not os.path.isfile(firmware):
+        raise MissingFile(f"{firmware} (qboot firmware) does not exist: install the "
                           f"qemu-system-x86 package")
 
 
