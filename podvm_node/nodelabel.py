@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import urllib.error
 import urllib.request
@@ -12,6 +13,8 @@ import urllib.request
 LABEL = "podvm.io/runtime"
 VALUE = "installed"
 ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+"""A node's name is a DNS subdomain (RFC 1123): nothing else goes into the request's path."""
 
 
 class LabelError(RuntimeError):
@@ -29,6 +32,8 @@ def set_label(value: str | None, env: dict[str, str] | None = None,
         return "not in a Kubernetes cluster: no node to label"
     if not node:
         raise LabelError("NODE_NAME is not set (the DaemonSet passes spec.nodeName)")
+    if not NODE_NAME.fullmatch(node):
+        raise LabelError(f"NODE_NAME {node!r} is not a node name (a DNS subdomain)")
     with open(os.path.join(account, "token")) as f:
         token = f.read().strip()
     context = ssl.create_default_context(cafile=os.path.join(account, "ca.crt"))
