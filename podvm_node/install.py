@@ -8,7 +8,9 @@ to /opt/podvm (a new tree renamed into place, on an upgrade too), links the shim
 /usr/local/bin (containerd 1.6 runs shims from its PATH whatever runtime_path says:
 containerd/containerd#8207), writes /etc/podvm/configuration.toml if there is none,
 adds podvm's runtimes through a drop-in (podvm_node/containerd_dropin.py), restarts
-containerd and waits for its socket, and labels the node. Each change is recorded in
+containerd and waits for its socket, labels the node, and makes the default shape's VM
+template (`podvmctl templates warm` on the host: the node's first pod is restored, not
+booted; a failure there is said, and pods boot). Each change is recorded in
 /opt/podvm/.installed; uninstall undoes exactly those and restarts containerd again."""
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ from .containerd_dropin import Refusal
 SHIM_LINK = "/usr/local/bin/containerd-shim-podvm-v2"
 SHIM = hostfiles.PREFIX + "/bin/containerd-shim-podvm-v2"
 RESTART = "nsenter --target 1 --mount -- systemctl restart containerd"
+WARM = (f"nsenter --target 1 --mount -- {hostfiles.PREFIX}/bin/podvmctl templates warm "
+        f"--config /etc/podvm/configuration.toml")
 SOCKET_TIMEOUT = 60.0
+WARM_TIMEOUT = 600.0
 Restart = Callable[[], None]
 
 
@@ -50,6 +55,18 @@ def command_restart(command: str, host: str, socket_path: str) -> Restart:
             raise RuntimeError(f"{command}: exited {out.returncode}: {out.stderr.strip()}")
         wait_for_socket(host + socket_path)
     return restart
+
+
+def command_warm(command: str) -> Callable[[], str]:
+    """Run `command` (the templates' warm-up on the host); what it said. The templates'
+    VMs run in their own cgroup on the host, not in the installer's."""
+    def warm() -> str:
+        out = subprocess.run(shlex.split(command), capture_output=True, text=True,
+                             timeout=WARM_TIMEOUT)
+        if out.returncode != 0:
+            raise RuntimeError(f"{command}: exited {out.returncode}: {out.stderr.strip()}")
+        return out.stdout.strip()
+    return warm
 
 
 def wait_for_socket(path: str, timeout: float = SOCKET_TIMEOUT) -> None:
@@ -87,7 +104,9 @@ def check(host: str, bundle: str, version_text: str | None,
 
 def install(host: str, bundle: str, restart: Restart | None = None,
             version_text: str | None = None, mountinfo: str | None = None,
-            say: Callable[[str], None] = print) -> None:
+            say: Callable[[str], None] = print,
+            warm: Callable[[], str] | None = None) -> None:
+    """`warm`: the templates' warm-up, last (None: none); pods boot where it fails."""
     plan = check(host, bundle, version_text, mountinfo)
     record = hostfiles.load(host) or hostfiles.Record()
     before = copy.deepcopy(record)
@@ -109,6 +128,11 @@ def install(host: str, bundle: str, restart: Restart | None = None,
     (restart or command_restart(RESTART, host, plan.socket))()
     say("containerd restarted")
     say(nodelabel.set_label(nodelabel.VALUE))
+    if warm is not None:
+        try:
+            say(f"templates warmed: {warm()}")
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            say(f"templates not warmed (pods boot until a pod's shim makes one): {exc}")
 
 
 def _undo_new(host: str, before: hostfiles.Record, after: hostfiles.Record) -> None:
@@ -198,13 +222,17 @@ def main(command: str, argv: list[str]) -> int:
     if command == "install":
         parser.add_argument("--bundle", default=default_bundle(),
                             help="the podvm tree to install (default: this podvm-node's)")
+        parser.add_argument("--warm-command", default=WARM,
+                            help=f"how the host makes its VM templates (default: {WARM}; "
+                                 f"\"\": none)")
     args = parser.parse_args(argv)
     host = os.path.abspath(args.host_root).rstrip("/")
     try:
         if command == "install":
             _, data = dropin.read_config(host)
             restart = command_restart(args.restart_command, host, dropin.socket(data))
-            install(host, args.bundle, restart, hostcheck.containerd_version_text(host))
+            install(host, args.bundle, restart, hostcheck.containerd_version_text(host),
+                    warm=command_warm(args.warm_command) if args.warm_command else None)
         else:
             _, data = dropin.read_config(host)
             uninstall(host, command_restart(args.restart_command, host, dropin.socket(data)))

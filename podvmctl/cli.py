@@ -41,10 +41,16 @@ def _status(args: argparse.Namespace) -> int:
 
 def _templates(args: argparse.Namespace) -> int:
     try:
-        directory = config.load(args.config or "").qemu.template_path
+        q = config.load(args.config or "").qemu
     except config.ConfigError as exc:
         print(f"podvmctl: {exc}", file=sys.stderr)
         return 1
+    if args.action == "warm":
+        return _warm(q, args.shapes or [])
+    if args.shapes:
+        print("podvmctl: --shape is for `podvmctl templates warm`", file=sys.stderr)
+        return 2
+    directory = q.template_path
     for key in args.remove or []:
         if not templatestore.remove(directory, key):
             print(f"podvmctl: template {key} is being made: not removed", file=sys.stderr)
@@ -61,6 +67,32 @@ def _templates(args: argparse.Namespace) -> int:
             print(f"{t['key']}  {t['bytes'] >> 20:>5} MiB  {t['hits']:>6} hits  last used "
                   f"{templatestore.age(t['last_use']):>9}  made by {t['made_by'] or '-'}"
                   f"  {shape}")
+    return 0
+
+
+def _warm(q: config.HypervisorConfig, shapes: list[str]) -> int:
+    """The templates of the default shape (or of `shapes`) made now, ahead of any pod."""
+    import asyncio  # warm only: the other commands run no VM
+
+    from shim.vm import templatemaker  # likewise
+
+    try:
+        wanted = [templatemaker.Shape.parse(s) for s in shapes] or \
+            [templatemaker.default_shape(q)]
+    except ValueError as exc:
+        print(f"podvmctl: {exc}", file=sys.stderr)
+        return 2
+    if not q.enable_template or not templatestore.store_trusted(q.template_path):
+        print("podvmctl: templates are off: " + ("enable_template = false" if not
+              q.enable_template else templatestore.untrusted_store(q.template_path)),
+              file=sys.stderr)
+        return 1
+    try:
+        for line in asyncio.run(templatemaker.warm(q, wanted)):
+            print(line)
+    except Exception as exc:  # a boot's or a save's failure, in its own words
+        print(f"podvmctl: templates warm: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -131,12 +163,18 @@ def parser() -> argparse.ArgumentParser:
                     help="a RuntimeClass podvm serves (repeat; default: podvm)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=_plan)
-    t = sub.add_parser("templates", help="list or remove the saved VM templates",
+    t = sub.add_parser("templates", help="list, remove or make the saved VM templates",
                        description="List the templates in template_path (the VM shape, "
                                    "size on disk, hits, last use, which pod made it), least "
                                    "recently used first; --remove KEY removes one (a pod "
                                    "restoring it meanwhile reads on; one being made is "
-                                   "refused).")
+                                   "refused). `warm`: make the templates of the default "
+                                   "shape (a pod that asks for nothing, one NIC at MTU "
+                                   "1500), or of each --shape, now, ahead of any pod.")
+    t.add_argument("action", nargs="?", choices=("list", "warm"), default="list")
+    t.add_argument("--shape", action="append", dest="shapes", metavar="VCPUS:MIB[:NICS[:MTU]]",
+                   help="warm: a pod VM's size, NIC count (default 1) and MTU (default "
+                        "1500) (repeat)")
     t.add_argument("--config", help="configuration file instead of the lookup order")
     t.add_argument("--remove", action="append", metavar="KEY", help="remove it (repeat)")
     t.add_argument("--json", action="store_true", help="print JSON")

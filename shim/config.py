@@ -40,14 +40,17 @@ class HypervisorConfig:
     """MiB the host spends on a pod beyond guest RAM (QEMU, and the shim when it is in
     the sandbox cgroup); 0 = podvm's measured figure for the accel."""
     enable_template: bool = True
-    """Pods restore a template of their VM's shape instead of booting: the first pod of
-    a shape boots one and saves it (shim/vm/template.py)."""
+    """Pods restore a template of their VM's shape instead of booting; a pod whose shape
+    has none boots and its shim makes one in the background (shim/vm/templatemaker.py)."""
     template_path: str = "/var/lib/podvm/templates"
     """Where templates are kept: one saved state per VM shape and guest image."""
     template_max_count: int = 8
     """The most templates kept; the least recently used go first (then pods boot)."""
     template_max_mib: int = 1024
     """The most MiB templates take on disk, holes not counted."""
+    template_cgroup: str = "/podvm_templates"
+    """The cgroup (in each hierarchy) templates are made in: beside the pods', so the
+    node's reserved resources pay for them, not a pod."""
     console_log_max_kib: int = 256
     """The most of the guest's serial console kept in its console.log (the newest
     output; shim/vm/console.py)."""
@@ -258,6 +261,10 @@ def _check(config: Config, source: str) -> None:
 
 
 def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
+    if not q.template_cgroup.startswith("/") or ".." in q.template_cgroup.split("/") or \
+            q.template_cgroup.rstrip("/") == "":
+        raise ConfigError(f"{where} template_cgroup must be an absolute cgroup path below "
+                          f"the root, without '..', got {q.template_cgroup!r}")
     if q.template_max_count < 0 or q.template_max_mib < 0:
         raise ConfigError(f"{where} template_max_count and template_max_mib must be 0 (no "
                           f"templates) or more, got {q.template_max_count} and "

@@ -43,6 +43,9 @@ def test_partial_file_keeps_other_defaults(tmp_path: pathlib.Path) -> None:
     ("[runtime]\nreserved_cpus = \"0-x\"\n", "reserved_cpus"),
     ("[hypervisor.qemu]\nmemory_overhead = -1\n", "memory_overhead is in MiB"),
     ("[hypervisor.qemu]\nseccompsandbox = \"off\"\n", "seccompsandbox must be \"\" (off)"),
+    ("[hypervisor.qemu]\ntemplate_cgroup = \"podvm\"\n", "template_cgroup must be an absolute"),
+    ("[hypervisor.qemu]\ntemplate_cgroup = \"/a/../kubepods\"\n", "without '..'"),
+    ("[hypervisor.qemu]\ntemplate_cgroup = \"/\"\n", "below the root"),
     ("[runtime\n", "not valid TOML"),
     ("runtime = 3\n", "[runtime] must be a table"),
 ])

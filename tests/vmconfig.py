@@ -17,10 +17,17 @@ GUEST = pathlib.Path(os.environ.get("PODVM_GUEST_DIR") or ROOT / "build" / "gues
 # The templates pods of this run make and restore (shim/vm/template.py): this
 # process's own, removed by remove_templates() when the run ends.
 TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
+TEMPLATE_CGROUP = f"/podvm-test-templates-{os.getpid()}"
+"""Where this run's templates are made (shim/vm/templatemaker.py): removed with them."""
 
 
 def remove_templates() -> None:
     shutil.rmtree(TEMPLATES, ignore_errors=True)
+    for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
+        try:  # empty: each template's own cgroup went with its VM
+            (hierarchy / TEMPLATE_CGROUP.lstrip("/")).rmdir()
+        except OSError:
+            pass
 
 
 def guest_image() -> tuple[str, str]:
@@ -42,7 +49,8 @@ def vm_config(**qemu: object) -> Config:
     fields = dict(kernel=kernel, initrd=initrd, image=root_image(), accel="tcg",
                   default_vcpus=1,
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
-                  boot_timeout=60, template_path=str(TEMPLATES))
+                  boot_timeout=60, template_path=str(TEMPLATES),
+                  template_cgroup=TEMPLATE_CGROUP)
     fields.update(qemu)
     return Config(qemu=HypervisorConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
 
@@ -53,7 +61,8 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     `runtime`: keys of its [runtime] section."""
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
-    for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs"):
+    for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs",
+                "template_cgroup"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")

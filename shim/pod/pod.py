@@ -164,6 +164,7 @@ class Pod(PodContainers, PodResize):
         self.machine, self._allocator = machine, allocator
         self._spawn(self._watch_vm(machine))
         self._spawn(machine.time_agent())
+        machine.make_template()
         self._spawn(self._watch_oom(machine))
         if self.planner.shared_pool is not None:
             self._spawn(self._watch_pool())

@@ -28,7 +28,7 @@ from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
 from . import guestspec, vmm
 from .resize import MachineResize
-from . import template as templates, templatestore
+from . import template as templates, templatemaker
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
 
@@ -68,6 +68,9 @@ class Machine(MachineResize):
         """What is persisted in sandbox.json, replaced (and saved) by record()."""
         self._watch: asyncio.Task | None = None
         self._port_forwarder: "PortForwarder | None" = None
+        self._untemplated: VMSpec | None = None
+        """The shape of a VM that booted for want of a template (make_template)."""
+        self._template_maker: asyncio.Task | None = None
         self.vcpu_pins: list[frozenset[int]] = []
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
 
@@ -203,47 +206,38 @@ class Machine(MachineResize):
             raise gone from None
 
     async def _launch(self, vm: VM) -> templates.Template | None:
-        """Start `vm`: restored from its shape's template when there is one (made first
-        when no other pod is making it), else booted; the template restored, None when
-        booted. self.vm is the VM started (or being started)."""
+        """Start `vm`: restored from its shape's template when there is one, else booted
+        at once (its shape's template is then made in the background: make_template);
+        the template restored, None when booted. self.vm is the VM started (or being
+        started)."""
         preexec = self.cgroup.preexec()
         # A static VM is the confidential one: it shares no memory with other pods.
-        q = self.config.qemu
-        if q.enable_template and not self.config.runtime.static_sandbox_resource_mgmt and \
-                templatestore.store_trusted(q.template_path):
-            shape = templates.base_of(vm.spec, q.default_vcpus, q.default_memory)
+        shape = None if self.config.runtime.static_sandbox_resource_mgmt else \
+            templatemaker.class_of(vm.spec)
+        if shape is not None:
             template = templates.of(shape)
-            lock = None if template.exists() else template.lock()
-            if lock is not None and not templatestore.make_room(
-                    q.template_path, shape.memory_mib << 20, q.template_max_count,
-                    q.template_max_mib << 20):
-                log.info("sandbox %s: no room for a template of its shape (template_max_"
-                         "count, template_max_mib, or the disk); booting", self.id)
-                lock.release()
-                lock = None
-            try:
-                if lock is not None:
-                    try:
-                        await template.make(shape, preexec, q.template_max_count,
-                                            q.template_max_mib << 20)
-                    except templates.NotSaved as exc:
-                        log.warning("sandbox %s: %s; booting", self.id, exc)
-                if template.exists():
-                    self.vm = restored = vmm.create(dataclasses.replace(shape, template=True))
-                    try:
-                        await restored.launch(preexec=preexec, restore_from=template.saved())
-                        log.info("sandbox %s: VM restored from template %s", self.id,
-                                 template.key)
-                        template.record_use()
-                        return template
-                    except RestoreFailed as exc:
-                        template.discard(str(exc))
-            finally:
-                if lock is not None:
-                    lock.release()
+            if template.exists():
+                self.vm = restored = vmm.create(dataclasses.replace(shape, template=True))
+                try:
+                    await restored.launch(preexec=preexec, restore_from=template.saved())
+                    log.info("sandbox %s: VM restored from template %s", self.id,
+                             template.key)
+                    template.record_use()
+                    return template
+                except RestoreFailed as exc:
+                    template.discard(str(exc))
+            self._untemplated = shape
         self.vm = vm
         await vm.launch(preexec=preexec)
         return None
+
+    def make_template(self) -> None:
+        """After a boot that found no template of its shape: that template made in the
+        background (in its own cgroup, shim/vm/templatemaker.py), for the next pod;
+        cancelled by shutdown() if the pod goes first."""
+        if self._untemplated is not None and self._template_maker is None:
+            self._template_maker = asyncio.create_task(
+                templatemaker.make_in_background(self._untemplated, self.id))
 
     async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
         """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""
@@ -351,6 +345,9 @@ class Machine(MachineResize):
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+        if self._template_maker is not None:  # its VM stopped, its files gone
+            self._template_maker.cancel()
+            await asyncio.gather(self._template_maker, return_exceptions=True)
         if self.vm is not None:
             await self.vm.stop(timeout=5)
         if self.state.netns:

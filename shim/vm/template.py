@@ -34,12 +34,13 @@ A template has the boot size of its class, not the pod's (base_of): pods that di
 vCPUs or whole blocks of memory share it, and each is grown to its own plan after the
 restore.
 
-Made by the first pod of a shape that finds none (in its own sandbox cgroup, under a
-lock: a second pod of the shape meanwhile boots as without templates), and restored by
-reads past the page cache, so a pod is charged what its own VM uses, not another's
-reads."""
+Made off every pod's path (shim/vm/templatemaker.py: ahead by `podvmctl templates
+warm`, or in the background after a pod of a new shape booted), in a cgroup of its own,
+under a lock; restored by reads past the page cache, so a pod is charged what its own
+VM uses, not another's reads."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -131,10 +132,8 @@ class Template:
             try:
                 await vm.save(tmp)
                 await vm.stop(timeout=2)
-                memcopy.dig_holes(memory_file(tmp))
-                _settle(memory_file(tmp))
-                digests = {"state": stateload.digest(tmp),
-                           "memory": stateload.digest(memory_file(tmp))}
+                # seconds of disk and hashing: off the loop of the shim that may make it
+                digests = await asyncio.to_thread(_finish, tmp)
                 with _new_file(f"{self.meta}.tmp") as f:
                     json.dump({"format": templatestore.FORMAT, "inputs": self.inputs,
                                "sha256": digests,
@@ -207,6 +206,13 @@ def of(spec: VMSpec) -> Template:
         "format": templatestore.FORMAT, "inputs": inputs,
         "command": vmm.create(canonical).command()}, sort_keys=True).encode())
     return Template(q.template_path, digest.hexdigest()[:32], inputs)
+
+
+def _finish(state: str) -> dict[str, str]:
+    """The saved VM's memory made sparse and settled; the digests of both files."""
+    memcopy.dig_holes(memory_file(state))
+    _settle(memory_file(state))
+    return {"state": stateload.digest(state), "memory": stateload.digest(memory_file(state))}
 
 
 def _new_file(path: str):

@@ -1,11 +1,13 @@
-"""Templates (shim/vm/template.py) through the CRI, as a user sees them: the first
-podvm pod of a shape boots its guest and saves it, the next pod of that shape restores
-it and is the pod it asked for: the host's clock, its own MAC on its own network (served
-over HTTP to the host; no frame from the template's MAC on it), its containers on its own
-virtio-fs share, its own boot id, random bytes and TCP initial sequence numbers (the
-first pod, restored from the same template, has others). A pod of another size is
-restored from the same template and grown to its plan by hot-plug. A template that no
-longer restores is discarded and the pod boots instead.
+"""Templates (shim/vm/template.py, shim/vm/templatemaker.py) through the CRI, as a user
+sees them: on a fresh node `podvmctl templates warm` makes the default shape's template
+before any pod, so the very first pod restores it, and each restored pod is the pod it
+asked for: the host's clock, its own MAC on its own network (served over HTTP to the
+host; no frame from the template's MAC on it), its containers on its own virtio-fs
+share, its own boot id, random bytes and TCP initial sequence numbers (the other pod,
+restored from the same template, has others). A pod of another size is restored from the
+same template and grown to its plan by hot-plug. A pod whose shape has no template boots
+at once, and its shim makes that template in the background, in the templates' own
+cgroup; a template that no longer restores is discarded and the pod boots instead.
 
 The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
 wait is bounded."""
@@ -16,6 +18,7 @@ import os
 import pathlib
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -24,14 +27,14 @@ from podvmctl import status
 from shim.resources.annotations import KATA
 from shim.vm.hypervisor import template_mac
 from tests.conftest import require, require_root, require_tool
-from tests.vmconfig import guest_image, write_test_config
+from tests.vmconfig import TEMPLATE_CGROUP, guest_image, write_test_config
 
 from . import bridgenet
 from .containerd import Containerd, shims_of
 from .cri import Crictl, write_config
 from .netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
-from .test_crictl import pod_config, run_container
-from .test_podvm_pods import remove_pod, runp
+from .test_crictl import pod_config, run_container, wait_for
+from .test_podvm_pods import qemus, remove_pod, runp
 
 ETH_P_ALL = 0x0003
 TEMPLATE_AGE = 8.0
@@ -151,16 +154,30 @@ def netns_mac(crictl: Crictl, pod_id: str, ifname: str = "eth0") -> str:
     return json.loads(done.stdout)[0]["address"]
 
 
-def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
+def warm(ctd: Containerd, *shapes: str) -> str:
+    """`podvmctl templates warm` with the test containerd's configuration; what it said."""
+    done = subprocess.run(
+        [sys.executable, "-m", "podvmctl.cli", "templates", "warm", "--config",
+         str(ctd.podvm_config), *(f"--shape={s}" for s in shapes)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_node_warmed_ahead_restores_its_first_pod_and_each_pod_is_its_own(
         ctd, crictl, configs) -> None:
+    assert templates(ctd) == {}, "a fresh node"
+    said = warm(ctd)
+    made = templates(ctd)
+    assert len(made) == 1, (said, made)
+    key = next(iter(made))
+    assert f"1:256:1:1500: template {key} made" in said, said
+    assert made[key]["made_by"].startswith("warm-")
+    assert f"template {key} exists" in warm(ctd), "warm again: nothing made"
     first, first_file = runp(crictl, ctd, configs, "tpl-first")
     try:
-        made = templates(ctd)
-        assert len(made) == 1, made
-        key = next(iter(made))
         assert shim_lines(ctd, first, f"VM restored from template {key}"), \
-            "the first pod restores the template it made"
-        assert made[key]["made_by"] == first
+            "the first pod restores the template made ahead"
         # The template is old enough that a clock left as saved would show it.
         saved = (ctd.templates / f"{key}.vmstate").stat().st_mtime  # type: ignore[attr-defined]
         time.sleep(max(0.0, saved + TEMPLATE_AGE - time.time()))
@@ -220,16 +237,44 @@ def test_the_first_pod_makes_the_template_and_the_next_is_restored_as_its_own(
         remove_pod(crictl, first)
 
 
-def the_template(ctd: Containerd, crictl: Crictl, configs: pathlib.Path) -> str:
-    """The key of the default shape's template, made by a first pod when the tests before
-    (run alone: -k) made none."""
+def the_template(ctd: Containerd) -> str:
+    """The key of the default shape's template, warmed when the tests before (run alone:
+    -k) made none."""
     made = templates(ctd)
     if not made:
-        pod, _ = runp(crictl, ctd, configs, "tpl-maker")
-        remove_pod(crictl, pod)
+        warm(ctd)
         made = templates(ctd)
     assert len(made) == 1, made
     return next(iter(made))
+
+
+def made_in_the_background(ctd: Containerd, pod: str, key: str | None = None) -> str:
+    """The key of the template `pod`'s shim makes after the pod booted, once it is
+    saved; its VM (`<pod>-template`) seen running in the templates' cgroup, never in the
+    pod's."""
+    name = f"podvm-{pod}-template".encode()
+
+    def maker_cgroups() -> str:
+        for pid in qemus():
+            try:
+                if name in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pathlib.Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:
+                continue
+        return ""
+
+    groups = wait_for("the template's VM", maker_cgroups, timeout=60)
+    memory = next(line for line in groups.splitlines() if ":memory:" in line)
+    assert memory.split(":", 2)[2].startswith(f"{TEMPLATE_CGROUP}/podvm_template-"), groups
+    assert pod not in groups, groups
+
+    def saved() -> str:
+        return next((k for k, meta in templates(ctd).items() if meta["made_by"] == pod
+                     and (key is None or k == key)), "")
+
+    found = wait_for("the template made in the background", saved, timeout=180)
+    assert shim_lines(ctd, pod, f"template {found} made in the background")
+    return found
 
 
 def test_a_pod_of_another_size_is_restored_from_the_template_and_grown_to_its_plan(
@@ -237,7 +282,7 @@ def test_a_pod_of_another_size_is_restored_from_the_template_and_grown_to_its_pl
     """vCPUs and memory mint no template (a pod author varying them cannot fill the
     node's disk): a pod of 2 vCPUs and 256 + 3 x 128 MiB restores the default shape's
     template, then gets exactly its own size by hot-plug before its first container."""
-    key = the_template(ctd, crictl, configs)
+    key = the_template(ctd)
     pod_file = write_config(configs, "pod-tpl-big.json", pod_config(
         ctd, configs, "tpl-big", annotations={KATA + "default_vcpus": "2",
                                               KATA + "default_memory": "640"}))
@@ -261,7 +306,7 @@ def test_a_pod_of_another_size_is_restored_from_the_template_and_grown_to_its_pl
 
 def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
         ctd, crictl, configs) -> None:
-    key = the_template(ctd, crictl, configs)
+    key = the_template(ctd)
     state = ctd.templates / f"{key}.vmstate"  # type: ignore[attr-defined]
     with open(state, "r+b") as f:  # what a full disk or a torn copy leaves
         f.truncate(os.path.getsize(state) // 2)
@@ -270,13 +315,13 @@ def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
     try:
         assert shim_lines(ctd, pod, "discarded"), "the broken template is discarded"
         assert not shim_lines(ctd, pod, "VM restored from template")
-        assert key not in templates(ctd)
         cid = run_container(crictl, configs, pod, pod_file, "tpl-after", "sleep 600")
         r = crictl.exec(cid, "true", timeout=30)
         assert r.exit_code == 0, r.stderr
+        # Its shim makes the shape's template anew, and the next pod restores it.
+        assert made_in_the_background(ctd, pod, key) == key
     finally:
         remove_pod(crictl, pod)
-    # The next pod of the shape makes a new one and is restored from it.
     pod, _ = runp(crictl, ctd, configs, "tpl-remade")
     try:
         assert list(templates(ctd)) == [key]
@@ -285,27 +330,33 @@ def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
         remove_pod(crictl, pod)
 
 
-def test_a_flood_of_shapes_keeps_the_store_within_its_cap(ctd, crictl, configs) -> None:
-    """What a pod author can still vary (here the memory's remainder modulo 128 MiB) mints
-    templates, but never more than template_max_count (1 here): a new shape's template
-    takes the place of the least recently used one, the default shape's, and the pod
-    runs. Last in the module: it leaves the store with a template of another shape."""
-    default = the_template(ctd, crictl, configs)
+def test_a_pod_of_a_new_shape_boots_at_once_and_a_flood_keeps_the_store_within_its_cap(
+        ctd, crictl, configs) -> None:
+    """A pod whose shape has no template (here the memory's remainder modulo 128 MiB, what
+    a pod author can still vary) waits for none: it boots, and its shim then makes the
+    shape's template beside it, in the templates' cgroup. Shapes never mint more than
+    template_max_count (1 here): the new shape's template takes the place of the least
+    recently used one, the default shape's, and the next pod of the shape restores it.
+    Last in the module: it leaves the store with a template of another shape."""
+    default = the_template(ctd)
     config = pathlib.Path(ctd.podvm_config)
     good = config.read_text()
     write_test_config(config, template_path=str(ctd.templates), template_max_count=1,
                       enable_annotations=("default_vcpus", "default_memory"))
     try:
-        pod_file = write_config(configs, "pod-tpl-flood.json", pod_config(
-            ctd, configs, "tpl-flood", annotations={KATA + "default_memory": "257"}))
-        pod = crictl.runp(pod_file, runtime="podvm")
-        try:
-            made = templates(ctd)
-            assert len(made) == 1 and default not in made, made
-            (key, meta), = made.items()
-            assert meta["made_by"] == pod and "257M,slots=8" in " ".join(meta["command"])
-            assert shim_lines(ctd, pod, f"VM restored from template {key}")
-        finally:
-            remove_pod(crictl, pod)
+        pods = []
+        for name in ("tpl-flood", "tpl-flood-2"):
+            pod_file = write_config(configs, f"pod-{name}.json", pod_config(
+                ctd, configs, name, annotations={KATA + "default_memory": "257"}))
+            pods.append(crictl.runp(pod_file, runtime="podvm"))
+            if len(pods) == 1:
+                assert not shim_lines(ctd, pods[0], "VM restored from template")
+                key = made_in_the_background(ctd, pods[0])
+                made = templates(ctd)
+                assert list(made) == [key] and default not in made, made
+                assert "257M,slots=8" in " ".join(made[key]["command"])
+        assert shim_lines(ctd, pods[1], f"VM restored from template {key}")
     finally:
+        for pod in pods:
+            remove_pod(crictl, pod)
         config.write_text(good)

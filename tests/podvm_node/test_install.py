@@ -222,6 +222,33 @@ def test_upgrade_swaps_the_tree_and_uninstall_undoes_both(tmp_path, fake_bundle)
     assert restarts[-1] == "uninstall" and snapshot(root) == before
 
 
+def test_templates_are_warmed_last_and_a_failed_warm_up_keeps_the_install(
+        tmp_path, fake_bundle) -> None:
+    """The warm-up runs once containerd is back (its VMs use what was installed); where
+    it fails (the command exits non-zero: no KVM, a full disk) the node still serves
+    pods, which boot, so the install stands and says why."""
+    root = scratch_root(tmp_path, 'version = 2\n')
+    (root / "dev").mkdir()
+    (root / "dev/kvm").write_text("")
+    steps: list[str] = []
+    lines: list[str] = []
+    failing = install.command_warm("sh -c 'echo no room >&2; exit 3'")
+
+    def warm() -> str:
+        steps.append("warm")
+        return failing()
+
+    install.install(str(root), str(fake_bundle), restart=lambda: steps.append("restart"),
+                    version_text=V16, say=lines.append, warm=warm)
+    assert steps == ["restart", "warm"]
+    assert any(line.startswith("templates not warmed") and "exited 3: no room" in line
+               for line in lines), lines
+    assert (root / "opt/podvm/manifest.json").is_file()
+    assert install.command_warm("echo 1:256:1:1500: template k made")() == \
+        "1:256:1:1500: template k made"
+    install.uninstall(str(root), restart=lambda: None, say=lambda line: None)
+
+
 def test_a_failed_install_takes_out_what_it_added(tmp_path, fake_bundle) -> None:
     root = scratch_root(tmp_path, "version = 2\n", TCG)
     before = snapshot(root)

@@ -1,0 +1,183 @@
+"""Templates made off every pod's path: no pod waits for one. A pod whose shape has a
+template restores it (shim/vm/machine.py); one whose shape has none boots at once, as
+without templates, and its shim then makes the template in the background, for the
+next pod of that shape. `podvmctl templates warm` makes the shapes a node will see
+before any pod comes (the installer and `make demo` run it).
+
+A template is made in a cgroup of its own (`template_cgroup`, beside the pods' cgroups,
+so the node's reserved resources pay for it, never a pod), with low CPU shares (pods go
+first) and a memory limit of the template's VM plus its QEMU. One template is made at a
+time on a node (the `making` lock in the store): a flood of pods of new shapes costs
+the node one template boot at a time, and the store's caps (template_max_count,
+template_max_mib) bound what is kept."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import tempfile
+
+import cgroups
+from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
+
+from ..config import HypervisorConfig
+from ..host.capacity import capacity
+from ..network.model import PlaceholderNic
+from . import template as templates, templatestore
+from .hypervisor import VMSpec
+
+log = logging.getLogger("podvm.templatemaker")
+
+MAKING = "making"
+"""The store's lock that one maker holds on a node while it makes any template."""
+CPU_SHARES = 128
+"""The template cgroup's CPU weight under cgroup v1 (a pod's is 1024 per CPU)."""
+VMM_MIB = 256
+"""What QEMU takes beside the guest's memory while it boots and saves, under TCG too."""
+DEFAULT_MTU = 1500
+SHAPE = re.compile(r"(\d+):(\d+)(?::(\d+)(?::(\d+))?)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A pod's VM as the template sees it: vCPUs and MiB at boot, NICs and their MTU."""
+    vcpus: int
+    memory_mib: int
+    nics: int = 1
+    mtu: int = DEFAULT_MTU
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        """VCPUS:MIB[:NICS[:MTU]], e.g. 1:256 (one NIC at MTU 1500) or 1:256:0."""
+        found = SHAPE.fullmatch(text.strip())
+        if not found:
+            raise ValueError(f"{text!r}: a shape is VCPUS:MIB[:NICS[:MTU]], e.g. 1:256:1:1500")
+        vcpus, mib, nics, mtu = (int(g) if g is not None else None for g in found.groups())
+        shape = cls(vcpus, mib, 1 if nics is None else nics, mtu or DEFAULT_MTU)
+        if not (shape.vcpus >= 1 and shape.memory_mib >= 64 and 0 <= shape.nics <= 8
+                and 576 <= shape.mtu <= 65535):
+            raise ValueError(f"{text!r}: want at least 1 vCPU and 64 MiB, 0-8 NICs, an MTU "
+                             f"of 576-65535")
+        return shape
+
+
+def default_shape(q: HypervisorConfig, nics: int = 1, mtu: int = DEFAULT_MTU) -> Shape:
+    """A pod that asks for nothing, on one pod network (the common CNI MTU)."""
+    return Shape(q.default_vcpus, q.default_memory, nics, mtu)
+
+
+def spec_of(q: HypervisorConfig, shape: Shape, workdir: str) -> VMSpec:
+    """The template VM of `shape` as a pod of it would have it (before its class is
+    taken: templates.base_of): its maxima are the plan's (shim/resources/model.py),
+    the configuration's, else this host's."""
+    host = capacity()
+    max_vcpus = q.default_maxvcpus or host.cpus
+    max_memory = q.default_maxmemory or host.memory_mib
+    spec = VMSpec(sandbox_id=f"warm-{os.getpid()}", workdir=workdir, shared_dir=workdir,
+                  vcpus=min(shape.vcpus, max_vcpus), max_vcpus=max_vcpus,
+                  memory_mib=shape.memory_mib, max_memory_mib=max_memory,
+                  hypervisor=q, config_source="podvmctl templates warm",
+                  nics=tuple(PlaceholderNic(i, shape.mtu) for i in range(shape.nics)))
+    return templates.base_of(spec, q.default_vcpus, q.default_memory)
+
+
+def class_of(spec: VMSpec) -> VMSpec | None:
+    """The shape whose template `spec` (a pod's VM, its NICs attached) restores; None when
+    this configuration keeps no templates."""
+    q = spec.hypervisor
+    if not q.enable_template or not templatestore.store_trusted(q.template_path):
+        return None
+    return templates.base_of(spec, q.default_vcpus, q.default_memory)
+
+
+async def make(shape: VMSpec) -> str:
+    """Make `shape`'s template unless there is one, or someone is making a template on
+    this node now; what happened, in a few words. Errors are the boot's (a broken guest
+    image) or templates.NotSaved."""
+    q = shape.hypervisor
+    template = templates.of(shape)
+    if template.exists():
+        return f"template {template.key} exists"
+    os.makedirs(q.template_path, mode=0o700, exist_ok=True)
+    slot = templatestore.lock(q.template_path, MAKING)
+    if slot < 0:
+        return "another template is being made on this node"
+    try:
+        lock = template.lock()
+        if lock is None:
+            return f"template {template.key} is being made"
+        try:
+            if template.exists():
+                return f"template {template.key} exists"
+            if not templatestore.make_room(q.template_path, shape.memory_mib << 20,
+                                           q.template_max_count, q.template_max_mib << 20):
+                return "no room for a template (template_max_count, template_max_mib, disk)"
+            await _make_in_cgroup(template, shape)
+        finally:
+            lock.release()
+    finally:
+        os.close(slot)
+    return f"template {template.key} made" if template.exists() else \
+        f"template {template.key} made and then trimmed (template_max_mib)"
+
+
+async def _make_in_cgroup(template: templates.Template, shape: VMSpec) -> None:
+    q = shape.hypervisor
+    manager = cgroups.detect()
+    limits = CgroupLimits(cpu_shares=CPU_SHARES if manager.version == 1 else None,
+                          memory_limit_bytes=(shape.memory_mib + VMM_MIB) << 20,
+                          devices=cgroups.QEMU_DEVICES if manager.version == 1 else None)
+    layout = SandboxLayout(q.template_cgroup, f"template-{template.key[:16]}")
+    cgroup = SandboxCgroup.create(layout, limits, manager)
+    try:
+        await template.make(shape, cgroup.preexec(), q.template_max_count,
+                            q.template_max_mib << 20)
+    finally:
+        cgroup.destroy()
+        _remove_if_empty(manager, q.template_cgroup)
+
+
+def _remove_if_empty(manager: cgroups.CgroupManager, path: str) -> None:
+    """template_cgroup itself, once no template is being made in it: nothing of the
+    templates stays in the node's cgroups between makes."""
+    hierarchies = manager.hierarchies if isinstance(manager, cgroups.CgroupV1Manager) \
+        else (manager.hierarchy,)
+    for h in hierarchies:
+        try:
+            os.rmdir(h.directory(path))
+        except OSError:  # another maker's (a pod's of another store), or gone
+            pass
+
+
+async def make_in_background(shape: VMSpec, sandbox_id: str) -> None:
+    """For a pod that booted: its shape's template, for the next pod of the shape. Never
+    raises: the pod runs on whatever happens here (cancelled when the pod goes)."""
+    try:
+        said = await make(shape)
+    except asyncio.CancelledError:
+        log.info("sandbox %s: template of its shape not made: the pod went first",
+                 sandbox_id)
+        raise
+    except Exception as exc:
+        log.warning("sandbox %s: template of its shape not made: %s", sandbox_id, exc)
+        return
+    log.info("sandbox %s: %s in the background", sandbox_id, said)
+
+
+async def warm(q: HypervisorConfig, shapes: list[Shape]) -> list[str]:
+    """`podvmctl templates warm`: each shape's template made unless it exists; what
+    happened to each. Waits for a maker already at work (a pod's shim) rather than
+    skipping the shape."""
+    said = []
+    with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
+        for shape in shapes:
+            spec = spec_of(q, shape, os.path.join(work, f"{shape.vcpus}-{shape.memory_mib}"))
+            while True:
+                result = await make(spec)
+                if "being made" not in result and not result.startswith("another"):
+                    break
+                await asyncio.sleep(0.5)
+            said.append(f"{shape.vcpus}:{shape.memory_mib}:{shape.nics}:{shape.mtu}: {result}")
+    return said
