@@ -31,7 +31,7 @@ from tests.e2e.containerd import Containerd, shims_of  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
 from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
-from tests.vmconfig import write_test_config  # noqa: E402
+from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -174,6 +174,7 @@ def main() -> int:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    template_path=str(work / "templates"))
+        warm_templates(config)
         with Containerd(work / "containerd", namespace="podvm-density", cri=True,
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)

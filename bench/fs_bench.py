@@ -34,7 +34,7 @@ from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import pod_network_config  # noqa: E402
 from tests.e2e.test_crictl import container_config  # noqa: E402
 from tests.e2e.test_file_semantics import build_probe  # noqa: E402
-from tests.vmconfig import write_test_config  # noqa: E402
+from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 RUNTIMES = ("runc", "podvm")
 ROOT_DIR = "/bench"  # in the container's root fs
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    template_path=str(work / "templates"),
                                    shared_fs=args.shared_fs)
+        warm_templates(config)
         ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
                          podvm_config=config)
         with ctd:

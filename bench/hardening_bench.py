@@ -38,7 +38,7 @@ from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
 from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
-from tests.vmconfig import write_test_config  # noqa: E402
+from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 DEFENCES = {"KASLR": "nokaslr", "mitigations": "mitigations=off",
@@ -84,6 +84,7 @@ def write(path: pathlib.Path, work: pathlib.Path, accel: str, template: bool,
                       template_path=str(work / "templates"), **own)
     lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if k not in own)
     path.write_text(path.read_text().replace("[runtime]\n", lines + "[runtime]\n", 1))
+    warm_templates(path)  # each configuration's own, before its first pod
 
 
 def one_pod(ctd: Containerd, crictl: Crictl, work: pathlib.Path, name: str,

@@ -36,7 +36,7 @@ from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import (HTTP_PORT, fetch_from_pod, pod_ip,  # noqa: E402
                                pod_network_config, url, wait_for_port)
 from tests.e2e.test_crictl import container_config  # noqa: E402
-from tests.vmconfig import write_test_config  # noqa: E402
+from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 PAGE = "podvm net_bench: a small page"
@@ -208,6 +208,7 @@ def main() -> int:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    template_path=str(work / "templates"))
+        warm_templates(config)
         ctd = Containerd(work / "containerd", namespace="podvm-net-bench", cri=True,
                          podvm_config=config)
         with ctd:

@@ -2,13 +2,15 @@
 (a guest kernel hangs under nested KVM on our machines)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
 import shutil
 import tempfile
 
-from shim.config import Config, HypervisorConfig, RuntimeConfig
+from shim.config import Config, HypervisorConfig, RuntimeConfig, load
+from shim.vm import templatemaker
 from tests.conftest import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -74,3 +76,21 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
         lines.append(f"{key} = {json.dumps(value)}")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def warm_templates(path: pathlib.Path, *shapes: str) -> list[str]:
+    """What a node's installer does (`podvmctl templates warm`) for the configuration
+    file `path`: the default shape's template (or `shapes'`, VCPUS:MIB[:NICS[:MTU]])
+    made before the first pod, so that a bench's pods restore it and no template is made
+    in the background while figures are taken. What warm said, one line a shape."""
+    return warm(load(str(path)).qemu, *shapes)
+
+
+def warm(q: HypervisorConfig, *shapes: str) -> list[str]:
+    if not q.enable_template:
+        return []
+    wanted = [templatemaker.Shape.parse(s) for s in shapes] or [templatemaker.default_shape(q)]
+    said = asyncio.run(templatemaker.warm(q, wanted))
+    if not all(line.endswith((" made", " exists")) for line in said):
+        raise RuntimeError(f"templates not warmed: {'; '.join(said)}")
+    return said

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import asyncio
 import pathlib
 
 import pytest
 
-from shim.vm import templatemaker
 from tests.conftest import require_root, require_tool
-from tests.vmconfig import vm_config
+from tests.vmconfig import vm_config, warm
 
 from .containerd import Containerd
 
@@ -28,7 +26,5 @@ def image_cache(tmp_path_factory) -> pathlib.Path:
     """The CRI modules' images; first, the run's default-shape template warmed, as the
     node installer does (tests/vmconfig.py: the run's template store): their pods are
     restored, as on a node."""
-    q = vm_config().qemu
-    said = asyncio.run(templatemaker.warm(q, [templatemaker.default_shape(q)]))
-    assert all(" made" in line or " exists" in line for line in said), said
+    warm(vm_config().qemu)
     return tmp_path_factory.mktemp("images")
