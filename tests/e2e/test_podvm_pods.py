@@ -388,16 +388,3 @@ def test_a_host_network_pod_is_refused_before_anything_boots(ctd, crictl, config
     assert "run it with runc" in error, error
     assert "QEMU" not in error, error
     nothing_of_failed_pods_left(ctd, before)
-
-
-def test_twenty_pods_in_a_row_leave_nothing(ctd, crictl, configs) -> None:
-    """Counted against this containerd's own pods only: other runs on the machine share
-    /run/podvm/k8s.io."""
-    before = running(ctd)
-    pods = []
-    for i in range(20):
-        pod_id, _ = runp(crictl, ctd, configs, f"vm-row-{i}")
-        pods.append(pod_id)
-        remove_pod(crictl, pod_id)
-    wait_for("every shim to exit", lambda: running(ctd) == before and not any(
-        podvm_leftovers(ctd, pod_id) for pod_id in pods), timeout=90)
