@@ -145,18 +145,49 @@ def _write_address(bundle: str, address: str) -> None:
     write_atomic(os.path.join(bundle, "address"), address.encode())
 
 
+SWEEP_UNTIL = 3.0
+"""Seconds after its start until which `delete` sweeps the state other sandboxes' killed
+`delete`s left (shim/host/cleanup.py, sweep_stale): inside containerd's limit of 5 s."""
+
+
 def delete(flags: Flags) -> int:
     """Clean up after a container whose daemon is gone (or never answered), from the
-    persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says)."""
+    persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says).
+    Then sweep what earlier `delete`s that containerd killed left in the namespace."""
     # Here, not at the top: `start` imports this module, and needs neither.
     from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
 
-    from ..host.cleanup import cleanup_container  # as above: `start` needs none of it
+    from ..host.cleanup import cleanup_container, sweep_stale  # as above
 
+    started = time.monotonic()
     bundle = flags.bundle_dir
     cleanup_container(flags.namespace, flags.id, bundle)
     response = DeleteResponse(exit_status=128 + signal.SIGKILL)
     response.exited_at.FromNanoseconds(time.time_ns())
     sys.stdout.buffer.write(response.SerializeToString())
     sys.stdout.flush()
+    took = time.monotonic() - started
+    swept = sweep_stale(flags.namespace, time.monotonic() + SWEEP_UNTIL - _since_start())
+    _say_done(flags.id, took, swept)
     return 0
+
+
+def _since_start() -> float:
+    """Seconds since this process started (containerd's 5 s count from its exec)."""
+    with open("/proc/self/stat", "rb") as f:
+        ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _say_done(ident: str, seconds: float, swept: list[str]) -> None:
+    """One logfmt line on stderr, which containerd logs (as "cleanup warnings"): how long
+    the cleanup took and how long since this process started, as containerd kills a
+    `delete` at 5 s (what it had not removed yet stays, for the next one's sweep)."""
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+    said = f"shim delete of {ident} done in {seconds:.3f}s, {_since_start():.3f}s since exec"
+    if swept:
+        said += (f"; swept the state of {len(swept)} sandboxes whose shim and delete were "
+                 f"gone: {', '.join(swept)}")
+    sys.stderr.write(f'time="{stamp}" level=info msg="{said}" runtime=io.containerd.podvm.v2\n')
+    sys.stderr.flush()

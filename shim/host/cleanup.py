@@ -7,9 +7,13 @@ a process of the pod does: `delete` unmounts inside it through the daemon or QEM
 one lives; once none does, nothing is left to unmount."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
 
 import psutil
 
@@ -57,8 +61,77 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     if daemon is not None:
         log.info("killing shim daemon %d of sandbox %s", daemon, group)
         kill_and_wait(daemon)
-    remove_shim_state(namespace, group, state.get("address"))
+    with _claimed(paths.state_dir(namespace, group), wait=True):
+        remove_shim_state(namespace, group, state.get("address"))
     unmount(os.path.join(bundle, "rootfs"))  # made in the host's namespace by an older podvm
+
+
+STALE_AFTER = 30.0
+"""Seconds a state directory without shim.json must be left unchanged before a sweep takes
+it for one a killed `delete` half removed (`start` writes shim.json as it makes it)."""
+
+
+def sweep_stale(namespace: str, deadline: float) -> list[str]:
+    """Remove the state of the sandboxes in `namespace` whose daemon is gone and whose
+    `delete` did not finish: containerd kills a `delete` at 5 s, which a loaded node can
+    reach, and nothing else would ever remove its QEMU, cgroups and /run/podvm/<ns>/<id>.
+    `delete` runs this after its own cleanup, so the next pod to go sweeps the state a
+    killed one left. No new removal starts after `deadline` (time.monotonic()); what is
+    left then waits for the next sweep. Returns the sandboxes swept."""
+    try:
+        groups = sorted(os.listdir(os.path.join(paths.STATE_ROOT, namespace)))
+    except FileNotFoundError:
+        return []
+    swept = []
+    for group in groups:
+        if time.monotonic() > deadline:
+            break
+        state_dir = paths.state_dir(namespace, group)
+        with _claimed(state_dir, wait=False) as ours:
+            state = shimstate.read(namespace, group)
+            if not ours or not _abandoned(state_dir, state):
+                continue
+            log.info("sweeping the state of sandbox %s, whose shim is gone", group)
+            try:
+                remove_shim_state(namespace, group, (state or {}).get("address"))
+            except (OSError, PodStateError, NetworkError, cgroups.CgroupError) as exc:
+                log.warning("the state of sandbox %s stays: %s", group, exc)
+                continue
+        swept.append(group)
+    return swept
+
+
+def _abandoned(state_dir: str, state: dict | None) -> bool:
+    """No live daemon of ours owns `state_dir` (a pid reused by another shim counts as
+    live: the sweep keeps what it cannot tell apart)."""
+    if state is None:
+        try:
+            return time.time() - os.stat(state_dir).st_mtime > STALE_AFTER
+        except FileNotFoundError:
+            return False
+    pid = state.get("pid")
+    return not (isinstance(pid, int) and is_our_shim(pid))
+
+
+@contextlib.contextmanager
+def _claimed(state_dir: str, wait: bool) -> Iterator[bool]:
+    """An exclusive flock on the state directory while its state is removed, so that a
+    sweep and the sandbox's own `delete` never remove it at once; yields whether it is
+    held (False: the directory is gone, or, without `wait`, another holds it)."""
+    try:
+        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def pod_mount_process(pids: list[int]) -> int | None:
