@@ -4,17 +4,28 @@ idle pod's shim daemon and QEMU. Runs on a private containerd like the tests.
 Target (issue 15, truth of resources part 2): runp to ready in 3 s or less (median) under
 TCG on these machines (was 5 s in the VM-pods issue).
 
-With templates (the default) the first pod boots its guest and saves it as the shape's
-template, the others restore it: the figures say which is which. --no-template: every
-pod boots, as before templates.
+With templates (the default) the default shape's template is made before the first pod
+(`podvmctl templates warm`, as the node installer runs it) and every pod restores it.
+--cold: no warm-up, as on a node whose installer did not warm: the first pod boots and its
+shim makes the template in the background, and the pods started before it is saved boot
+too; the figures say which pods were restored, from what the shims logged.
+--no-template: every pod boots, as before templates.
 
 --sizes 1:256,2:640: the pods take these sizes in turn (vCPUs:MiB, as Kata's sizing
 annotations set them); with templates, every size restores the one template of the
 default size (1:256) and a larger pod is grown to its own by hot-plug: the figures by size
 show what the hot-plug costs.
 
-usage: python bench/pod_bench.py [--pods N] [--accel tcg|kvm] [--no-template]
+Beside runc (issue 30): each podvm pod is followed by a runc pod of the same image on the
+same containerd (--runtimes sets which and in what order), every pod with one container
+(a sleep in the busybox test image) and a pod cgroup of its own; podvm's figures are then
+printed as ratios to runc's: runp to ready, runp + create + start to the container
+running, and the host memory an idle pod holds (its processes' RSS, its pod cgroup's
+charge). The CRI calls are made and timed from this process (bench/podcost.py).
+
+usage: python bench/pod_bench.py [--pods N] [--accel tcg|kvm] [--no-template | --cold]
                                  [--sizes V:M,...] [--shared-fs virtio-fs|virtio-9p]
+                                 [--runtimes podvm,runc] [--keep-log FILE]
 """
 from __future__ import annotations
 
@@ -29,21 +40,15 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.e2e.containerd import Containerd, shims_of  # noqa: E402
-from tests.e2e.cri import Crictl, write_config  # noqa: E402
+from bench.podcost import (RUNTIMES, CriPods, PodCost, comparison,  # noqa: E402
+                           crictl_call, describe, legend, measure_idle, medians,
+                           restored_from_template, runtimes)
+from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
-from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
 from shim.resources.annotations import KATA  # noqa: E402
-from tests.vmconfig import GUEST, write_test_config  # noqa: E402
+from tests.vmconfig import GUEST, warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
-
-
-def rss_mb(pid: int) -> float:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 PHASES = (  # (name, containerd/shim log message that ends it); each starts where the last ends
@@ -90,19 +95,65 @@ def annotations(size: tuple[int, int]) -> dict[str, str]:
     return {KATA + "default_vcpus": str(size[0]), KATA + "default_memory": str(size[1])}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pods", type=int, default=5)
+    parser.add_argument("--pods", type=int, default=5,
+                        help="pods of each runtime, alternated (default 5)")
     parser.add_argument("--accel", default="tcg")
     parser.add_argument("--no-template", action="store_true",
                         help="every pod boots its guest (enable_template = false)")
+    parser.add_argument("--cold", action="store_true",
+                        help="no template made before the first pod (podvmctl templates warm)")
     parser.add_argument("--keep-log", type=pathlib.Path, metavar="FILE",
                         help="copy containerd's log (the shims' lines included) to FILE")
     parser.add_argument("--shared-fs", default="virtio-fs", choices=("virtio-fs", "virtio-9p"),
                         help="how the pod's files reach the guest (shared_fs)")
     parser.add_argument("--sizes", default="1:256", type=sizes,
                         help="vCPUs:MiB of the pods in turn (default 1:256, the default size)")
+    parser.add_argument("--runtimes", default=",".join(RUNTIMES), type=runtimes,
+                        help="podvm, runc or both, each round's pods in this order "
+                             "(default podvm,runc)")
     args = parser.parse_args()
+    if args.pods < 1:
+        parser.error("--pods must be at least 1")
+    return args
+
+
+def one_pod(ctd: Containerd, pods: CriPods, work: pathlib.Path, runtime: str, i: int,
+            size: tuple[int, int]) -> tuple[PodCost, list[float]]:
+    """Pod `i` of `runtime` started, measured idle and removed; its line printed."""
+    name = f"b{i}" if runtime == "podvm" else f"r{i}"
+    config = pod_config(ctd, work, name, **(
+        {"annotations": annotations(size)} if runtime == "podvm" else {}))
+    pod_cgroup = config["linux"]["cgroup_parent"] = f"{ctd.cgroup_parent}/{name}"
+    cost = pods.start(runtime, config, name)
+    try:
+        time.sleep(2)  # idle
+        measure_idle(ctd, cost, pod_cgroup)
+    finally:
+        pods.remove(cost.pod_id)
+    if runtime != "podvm":
+        print(f"{runtime} pod {i}: runp to ready {cost.ready_s:.2f} s, "
+              + describe(cost), flush=True)
+        return cost, []
+    log = ctd.log()
+    spent = phases(log, cost.pod_id)
+    cost.restored = restored_from_template(log, cost.pod_id)
+    print(f"pod {i} ({size[0]} vCPUs, {size[1]} MiB): runp to ready "
+          f"{cost.ready_s:.2f} s ("
+          + ", ".join(f"{phase} {t:.2f}" for (phase, _), t in zip(PHASES, spent))
+          + ")", flush=True)
+    print(f"  {'restored' if cost.restored else 'booted'}; " + describe(cost), flush=True)
+    return cost, spent
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, list[PodCost]], list[list[float]],
+                                           list[float]]:
+    """Every pod, the runtimes alternated pod by pod: costs by runtime, podvm's phases,
+    and what a crictl process added to a call, once a round."""
+    costs: dict[str, list[PodCost]] = {r: [] for r in args.runtimes}
+    spent: list[list[float]] = []
+    crictl_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="podvm-pod-bench-") as tmp:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
@@ -110,42 +161,47 @@ def main() -> int:
                                    shared_fs=args.shared_fs,
                                    template_path=str(work / "templates"),
                                    enable_annotations=("default_vcpus", "default_memory"))
+        if not args.cold:
+            warm_templates(config)
         with Containerd(work / "containerd", namespace="podvm-bench", cri=True,
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)
-            crictl = Crictl(ctd.cri_endpoint, timeout="120s")
-            ready, shim_rss, qemu_rss, spent = [], [], [], []
-            for i in range(args.pods):
-                size = args.sizes[i % len(args.sizes)]
-                pod_file = write_config(work, f"pod{i}.json", pod_config(
-                    ctd, work, f"b{i}", annotations=annotations(size)))
-                started = time.monotonic()
-                pod_id = crictl.runp(pod_file, runtime="podvm")
-                ready.append(time.monotonic() - started)
-                time.sleep(2)  # idle
-                shim_rss += [rss_mb(pid) for pid, cmd in shims_of(ctd.address)
-                             if pod_id in cmd]
-                qemu_rss += [rss_mb(pid) for pid in pod_qemus(pod_id)]
-                crictl.run("stopp", pod_id)
-                crictl.run("rmp", pod_id)
-                spent.append(phases(ctd.log(), pod_id))
-                print(f"pod {i} ({size[0]} vCPUs, {size[1]} MiB): runp to ready "
-                      f"{ready[-1]:.2f} s ("
-                      + ", ".join(f"{name} {t:.2f}" for (name, _), t in zip(PHASES, spent[-1]))
-                      + ")", flush=True)
+            pods = CriPods(ctd)
+            try:
+                for i in range(args.pods):
+                    for runtime in args.runtimes:
+                        cost, phase = one_pod(ctd, pods, work, runtime, i,
+                                              args.sizes[i % len(args.sizes)])
+                        costs[runtime].append(cost)
+                        spent += [phase] if runtime == "podvm" else []
+                    crictl_s.append(crictl_call(ctd))
+            finally:
+                pods.close()
             if args.keep_log:
                 shutil.copyfile(ctd.log_path, args.keep_log)
-    manifest = json.loads((GUEST / "manifest.json").read_text())
-    print(f"{args.pods} pods, accel={args.accel}, guest kernel {manifest['kernel_release']}")
+        if ctd.forced:
+            print(f"warning: the harness had to force its cleanup: {ctd.forced}",
+                  file=sys.stderr)
+    return costs, spent, crictl_s
+
+
+def report_podvm(args: argparse.Namespace, podvm: list[PodCost],
+                 spent: list[list[float]]) -> None:
+    """The figures this bench printed before runc was beside it."""
+    ready = [c.ready_s for c in podvm]
     print(f"runp to ready        median {statistics.median(ready):.2f} s, "
           f"max {max(ready):.2f} s   target <= 3 s median (TCG)")
-    if not args.no_template and len(ready) > 1:
-        print(f"  with templates     first pod (boots and saves the template) "
-              f"{ready[0]:.2f} s, the others (restore it) median "
-              f"{statistics.median(ready[1:]):.2f} s")
+    if not args.no_template:
+        restored = [c.ready_s for c in podvm if c.restored]
+        booted = [c.ready_s for c in podvm if not c.restored]
+        print(f"  with templates{' (cold)' if args.cold else ''}: {len(restored)} restored"
+              + (f", median {statistics.median(restored):.2f} s" if restored else "")
+              + f"; {len(booted)} booted"
+              + (f", median {statistics.median(booted):.2f} s" if booted else ""))
     if len(args.sizes) > 1:
         for k, size in enumerate(args.sizes):
-            of_size = [t for i, t in enumerate(ready) if i % len(args.sizes) == k and i > 0]
+            of_size = [c.ready_s for i, c in enumerate(podvm)
+                       if i % len(args.sizes) == k and c.restored]
             if of_size:
                 print(f"  {size[0]} vCPUs, {size[1]:4} MiB  restored pods' median "
                       f"{statistics.median(of_size):.2f} s ({len(of_size)} pods)")
@@ -156,9 +212,27 @@ def main() -> int:
             for k, (name, _) in enumerate(PHASES)))
     print(f"guest image          vmlinux {(GUEST / 'vmlinux').stat().st_size / MIB:.1f} MiB, "
           f"initrd.img {(GUEST / 'initrd.img').stat().st_size / MIB:.1f} MiB")
-    print(f"idle pod shim RSS    median {statistics.median(shim_rss):.1f} MB")
-    print(f"idle pod QEMU RSS    median {statistics.median(qemu_rss):.1f} MB "
+    print(f"idle pod shim RSS    median "
+          f"{statistics.median(c.rss_mib.get('shim', 0.0) for c in podvm):.1f} MB")
+    print(f"idle pod QEMU RSS    median "
+          f"{statistics.median(c.rss_mib.get('QEMU', 0.0) for c in podvm):.1f} MB "
           f"(guest memory 256 MiB, touched pages only)")
+
+
+def main() -> int:
+    args = parse_args()
+    costs, spent, crictl_s = run(args)
+    manifest = json.loads((GUEST / "manifest.json").read_text())
+    print(f"{args.pods} pods, accel={args.accel}, guest kernel {manifest['kernel_release']}"
+          + ("; as many runc pods, alternated" if len(args.runtimes) > 1 else
+             f"; runtime {args.runtimes[0]}"))
+    if "podvm" in costs:
+        report_podvm(args, costs["podvm"], spent)
+    for runtime, of_runtime in costs.items():
+        print(medians(runtime, of_runtime))
+    if len(costs) == 2:
+        print("\n".join(comparison(costs["podvm"], costs["runc"])))
+    print("\n".join(legend(args.runtimes, crictl_s)))
     return 0
 
 
