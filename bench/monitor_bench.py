@@ -4,16 +4,19 @@ sandbox.json written by the real PodState code, its shim.json, a cgroup v2 tree 
 own (memory.current, memory.events, cgroup.threads) under a scratch mount point, all in a
 scratch host root laid out as a node's (/run/podvm, /sys/fs/cgroup, /proc: the real one,
 linked), and threads that exist: one process named and threaded like a QEMU (main, two vCPUs, an
-iothread, vhost, call_rcu) and one like a virtiofsd, whose /proc/<tid>/stat every
+iothread, vhost, call_rcu) and one like a virtiofsd, whose threads' schedstat every
 sandbox's scrape reads, as it would its own (the vCPUs' time is read from their
-cgroup's counter).
+cgroup's counter). Before each timed scrape the cgroups' memory charge and vCPU time move
+(advance), as a live node's do, so those families are written anew; with --changing
+every sandbox.json is saved anew too.
 
-    .venv/bin/python bench/monitor_bench.py [--sandboxes 100] [--scrapes 30]
+    .venv/bin/python bench/monitor_bench.py [--sandboxes 100] [--scrapes 30] [--changing]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -22,8 +25,6 @@ import sys
 import tempfile
 import time
 from typing import Iterator
-
-from prometheus_client import CollectorRegistry, generate_latest
 
 from cgroups import SandboxLayout
 from podvm_core.atomic import write_json
@@ -36,7 +37,7 @@ from shim.resources import ContainerResources, Host, plan_sandbox
 from shim.resources.model import request_from_config
 
 from podvm_node.collect import Reader
-from podvm_node.monitor import NodeCollector
+from podvm_node.monitor import Exposition, NodeCollector
 
 STATE, CGROUP = paths.STATE_ROOT.lstrip("/"), "sys/fs/cgroup"
 TEMPLATES = config.HypervisorConfig.template_path.lstrip("/")
@@ -153,34 +154,63 @@ def fake_node(count: int, busy: float = 0.0) -> Iterator[tuple[pathlib.Path, lis
             files.close()
 
 
-def registry(root: pathlib.Path) -> CollectorRegistry:
+def exposition(root: pathlib.Path) -> Exposition:
     """The monitor's, for the host under `root`."""
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(NodeCollector(Reader(str(root / STATE), str(root)),
-                               str(root / TEMPLATES), str(root / CPUS)))
-    return reg
+    return Exposition(NodeCollector(Reader(str(root / STATE), str(root)),
+                                    str(root / TEMPLATES), str(root / CPUS)))
+
+
+def advance(root: pathlib.Path, states: list[PodState], scrape: int) -> None:
+    """What moves between two scrapes of a live node, as the kernel would move it: each
+    sandbox's memory charge and its vCPUs' time (so those families are written anew)."""
+    for index, state in enumerate(states):
+        sandbox = root / CGROUP / state.cgroup.layout.sandbox.lstrip("/")
+        (sandbox / "memory.current").write_text(f"{((300 + index) << 20) + scrape * 4096}\n")
+        (sandbox / "vcpus" / "cpu.stat").write_text(
+            f"usage_usec {vcpu_usec(index) + scrape * 1000}\nuser_usec 0\nsystem_usec 0\n")
+
+
+def change(root: pathlib.Path, states: list[PodState]) -> None:
+    """Every sandbox's state saved anew, as a shim records a guest report and an OOM
+    kill: each sandbox.json is parsed again, and two more families written again."""
+    for i, state in enumerate(states):
+        assert state.vm is not None
+        states[i] = state = dataclasses.replace(
+            state, vm=dataclasses.replace(state.vm, online_cpus=3 - state.vm.online_cpus),
+            guest_oom_kills=state.guest_oom_kills + 1)
+        state.save(state_path(str(root / STATE / "k8s.io" / state.sandbox_id)))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sandboxes", type=int, default=100)
     p.add_argument("--scrapes", type=int, default=30)
+    p.add_argument("--changing", action="store_true", help="every sandbox's state saved "
+                   "anew before each scrape too (untimed, like the memory and vCPU time "
+                   "moved before each)")
     args = p.parse_args()
-    with fake_node(args.sandboxes) as (root, _):
-        reg = registry(root)
-        generate_latest(reg)  # the first scrape builds the cgroup manager
+    with fake_node(args.sandboxes) as (root, states):
+        scrape = exposition(root).body
+        started = time.perf_counter()
+        scrape()  # the first: every state parsed, every family written
+        first = time.perf_counter() - started
         times, cpu = [], []
-        for _ in range(args.scrapes):
+        for n in range(args.scrapes):
+            advance(root, states, n + 1)
+            if args.changing:
+                change(root, states)
             started, used = time.perf_counter(), time.process_time()
-            body = generate_latest(reg)
+            body = scrape()
             times.append(time.perf_counter() - started)
             cpu.append(time.process_time() - used)
     times.sort()
     p90 = times[min(len(times) - 1, int(len(times) * 0.9))]
     # CPU time too: on a busy machine the wall clock counts the other processes' turns
-    print(f"{args.sandboxes} sandboxes, {args.scrapes} scrapes, {len(body)} bytes: median "
+    print(f"{args.sandboxes} sandboxes, {args.scrapes} scrapes"
+          f"{' of changed states' if args.changing else ''}, {len(body)} bytes: median "
           f"{statistics.median(times) * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms "
-          f"(CPU median {statistics.median(cpu) * 1000:.1f} ms); load {os.getloadavg()[0]:.1f}")
+          f"(CPU median {statistics.median(cpu) * 1000:.1f} ms; the first scrape "
+          f"{first * 1000:.1f} ms); load {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -6,6 +6,7 @@ played here too: a pod name that tries to forge samples, state files half writte
 gone mid-scrape, a QEMU that has exited."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -19,13 +20,17 @@ import sys
 import time
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
-from bench.monitor_bench import CPUS, STATE, TEMPLATES, fake_node, vcpu_usec
+from bench.monitor_bench import (CGROUP, CPUS, STATE, TEMPLATES, Threads, advance, change,
+                                 fake_node, vcpu_usec)
 from cgroups import SandboxLayout
 from podvm_core.atomic import write_json
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_node.collect import Reader, _stat_fields
+from podvm_node.monitor import Exposition, NodeCollector
 from shim.api.sandbox import request as sandbox_request
 from shim.api.task import request as task_request
 from shim.host.podstate import PodState, state_path
@@ -166,6 +171,8 @@ def test_vmm_cpu_is_split_by_thread_role(node, monitor) -> None:
     by_role = {s.labels["role"]: s.value for s in cpu}
     assert set(by_role) == {"vcpu", "main", "iothread", "net", "files", "other"}
     assert by_role["iothread"] >= 0.25  # it spun for 0.3 s of CPU
+    # each thread's own time, not its whole process's once per thread
+    assert by_role["main"] + by_role["net"] + by_role["other"] < by_role["iothread"]
     assert by_role["vcpu"] == vcpu_usec(0) / 1e6  # the vcpus/ cgroup's counter
 
 
@@ -229,6 +236,101 @@ def test_sandboxes_going_away_mid_scrape_are_skipped(tmp_path) -> None:
         assert [first.state.sandbox_id] + [b.state.sandbox_id for b in rest] == \
             [states[0].sandbox_id, states[3].sandbox_id]
         assert PodState.load(str(ns / states[3].sandbox_id / "sandbox.json")) == states[3]
+
+
+class Recorded(Collector):
+    """A collector whose last collect()'s families are kept."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector, self.families = collector, []
+
+    def collect(self):
+        self.families = list(self.collector.collect())
+        return iter(self.families)
+
+
+class Families(Collector):
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+def test_a_scrape_serves_the_node_as_it_is_now() -> None:
+    """Exposition reuses the text of a family that did not change: what it serves must
+    be what prometheus_client writes for the families of that scrape, nothing stale."""
+    with fake_node(2) as (root, states):
+        reader = Reader(str(root / STATE), str(root))
+        recorded = Recorded(NodeCollector(reader, str(root / TEMPLATES), str(root / CPUS)))
+        exposition = Exposition(recorded)
+        first = exposition.body()
+        assert first == generate_latest(Families(recorded.families))
+        advance(root, states, 1)  # memory and vCPU time moved
+        changed = states[1:]
+        change(root, changed)  # a new guest report and OOM kill in one sandbox
+        states[1:] = changed
+        second = exposition.body()
+        assert second == generate_latest(Families(recorded.families)) != first
+        got = {f.name: {s.labels["sandbox_id"]: s.value for s in f.samples}
+               for f in text_string_to_metric_families(second.decode())
+               if f.name.startswith("podvm_sandbox_")}
+        for i, state in enumerate(states):
+            sid = state.sandbox_id
+            assert got["podvm_sandbox_guest_oom_kills"][sid] == state.guest_oom_kills
+            assert got["podvm_sandbox_guest_online_vcpus"][sid] == state.vm.online_cpus
+            assert got["podvm_sandbox_memory_charged_bytes"][sid] == \
+                ((300 + i) << 20) + 4096  # as advance() moved it
+        reader.close()
+
+
+def test_a_pid_that_is_another_process_is_not_the_sandbox_s_qemu() -> None:
+    """A state whose QEMU pid has another start time (a later process's) is not running,
+    though that pid is in its cgroup; the same pid with the recorded start time is."""
+    with fake_node(1) as (root, states):
+        later = dataclasses.replace(states[0], sandbox_id="later" + "0" * 59,
+                                    qemu_start_time=states[0].qemu_start_time + 1)
+        (root / STATE / "k8s.io" / later.sandbox_id).mkdir()
+        later.save(state_path(str(root / STATE / "k8s.io" / later.sandbox_id)))
+        reader = Reader(str(root / STATE), str(root))
+        for _ in range(2):  # the check is kept for the state's life: a second scrape too
+            running = {b.state.sandbox_id: b.running for b in reader.sandboxes()}
+            assert running == {states[0].sandbox_id: True, later.sandbox_id: False}
+
+
+def test_the_reader_closes_the_files_of_what_went_away() -> None:
+    """The files read at every scrape stay open between scrapes (podvm_node/collect.py's
+    _Open): a thread that exited, a sandbox that went away and close() give them back."""
+    with fake_node(2) as (root, states):
+        def open_files() -> int:  # the reader's: under the scratch host root or /proc
+            found = 0
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):  # the listing's own, closed by now
+                    found += os.readlink(f"/proc/self/fd/{fd}").startswith((str(root),
+                                                                            "/proc/"))
+            return found
+
+        before = open_files()
+        reader = Reader(str(root / STATE), str(root))
+        list(reader.sandboxes())
+        # each: memory.current, memory.events, cpu.stat, 2 thread lists, 7 threads' schedstat
+        assert open_files() - before == 2 * 12
+        worker = Threads("worker", ("worker",))
+        vmm = root / CGROUP / states[0].cgroup.layout.vmm.lstrip("/") / "cgroup.threads"
+        with open(vmm, "a") as f:
+            f.write(f"{worker.pid}\n{worker.tids[0]}\n")
+        try:
+            list(reader.sandboxes())
+            assert open_files() - before == 2 * 12 + 2
+        finally:
+            worker.close()
+        list(reader.sandboxes())  # the two still listed, as a cgroup read just before
+        assert open_files() - before == 2 * 12
+        shutil.rmtree(root / STATE / "k8s.io" / states[1].sandbox_id)
+        list(reader.sandboxes())
+        assert open_files() - before == 12
+        reader.close()
+        assert open_files() == before
 
 
 def test_a_thread_name_cannot_shift_its_fields() -> None:
