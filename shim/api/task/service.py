@@ -2,6 +2,7 @@
 process, check its state, act through the Pod, publish the event."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("podvm.task")
 
 CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+IDLE_EXIT = 30.0
+"""Seconds a shim whose last container is gone waits for containerd's Shutdown before it
+exits on its own: containerd sends none after a Delete that outlived its deadline (it has
+given up on the task), and such a shim would otherwise stay forever."""
 
 
 class TaskService:
@@ -49,6 +54,8 @@ class TaskService:
         self.slot.listen(self)
         self.report = Reporter(publisher, self.containers)
         self._shutdown = shutdown
+        self._removals: set[asyncio.Future] = set()
+        self._idle_exit: asyncio.TimerHandle | None = None
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -85,6 +92,9 @@ class TaskService:
             raise TtrpcError(Code.INVALID_ARGUMENT, "create: the container id is empty")
         if req.id in self.containers:
             raise TtrpcError(Code.ALREADY_EXISTS, f"container {req.id!r} already exists")
+        if self._idle_exit is not None:
+            self._idle_exit.cancel()
+            self._idle_exit = None
         spec = read_bundle(req.bundle)
         pod, owns_vm = await self._pod_for(req, spec)
         await pod.add_container(
@@ -187,7 +197,13 @@ class TaskService:
             await proc.forget_in_guest(self._pod)
             del container.execs[req.exec_id]
         else:
-            await self._remove_container(container)
+            # Once begun, a removal finishes even when containerd's deadline passes (the
+            # ttrpc server then cancels this handler): half a teardown would leave the VM
+            # running with nothing left to stop it.
+            removal = asyncio.ensure_future(self._remove_container(container))
+            self._removals.add(removal)
+            removal.add_done_callback(self._removed)
+            await asyncio.shield(removal)
         response = api.DeleteResponse(pid=proc.pid, exit_status=proc.exit_status)
         response.exited_at.FromNanoseconds(proc.exited_at_ns or time.time_ns())
         if not req.exec_id:
@@ -201,6 +217,20 @@ class TaskService:
         pod = self.slot.pod
         if pod is not None:
             await pod.remove_container(container.id, owns_vm=container.id == pod.id)
+
+    def _removed(self, removal: asyncio.Future) -> None:
+        self._removals.discard(removal)
+        if not removal.cancelled() and removal.exception() is not None:
+            log.error("removing a container: %s", removal.exception())
+        if not self.containers and not self.slot.sandbox_api_owner and self._idle_exit is None:
+            self._idle_exit = asyncio.get_running_loop().call_later(IDLE_EXIT, self._exit_idle)
+
+    def _exit_idle(self) -> None:
+        self._idle_exit = None
+        if not self.containers and not self.slot.sandbox_api_owner and not self._removals:
+            log.warning("no Shutdown came %.0fs after the last container went (containerd "
+                        "gave up on its Delete?): exiting", IDLE_EXIT)
+            self._shutdown()
 
     async def Kill(self, req: api.KillRequest, ctx: Context) -> Empty:
         """As containerd's runc shim: a signal to a process that has exited answers

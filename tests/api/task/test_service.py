@@ -2,6 +2,7 @@
 exec's Delete asks of the guest agent (a stand-in here)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, Context, TtrpcError
 from podvm_core.procstate import RUNNING, STOPPED, ProcessState
 from shim.api.task.process import Container, Process
+from shim.api.task import service as service_module
 from shim.api.task.service import TaskService
 
 CTX = Context("containerd.task.v2.Task", "x")
@@ -156,3 +158,54 @@ async def test_delete_of_a_started_exec_without_a_vm_succeeds(service) -> None:
     c.execs["e1"].io = CopiedIO()
     await svc.Delete(api.DeleteRequest(id="c1", exec_id="e1"), CTX)
     assert c.execs == {}
+
+
+class SlowPod:
+    """A pod whose teardown takes a while (a loaded node stopping a VM)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.id, self.seconds = "c1", seconds
+        self.removed: list[str] = []
+
+    async def remove_container(self, container_id: str, owns_vm: bool) -> None:
+        await asyncio.sleep(self.seconds)
+        self.removed.append(container_id)
+
+
+async def test_a_delete_past_containerd_s_deadline_still_removes_the_pod_whole(
+        service, monkeypatch) -> None:
+    """The ttrpc server cancels a handler at the caller's deadline; the pod's teardown,
+    once begun, goes on to its end (else its VM would run on with nothing to stop it),
+    and a shim left with no container exits by itself if no Shutdown comes."""
+    monkeypatch.setattr(service_module, "IDLE_EXIT", 0.3)
+    svc, shutdown = service
+    add(svc, "c1", STOPPED)
+    pod = svc.slot.pod = SlowPod(0.2)  # type: ignore[assignment]
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await svc.Delete(api.DeleteRequest(id="c1"), CTX)
+    assert pod.removed == [] and "c1" not in svc.containers
+    await asyncio.sleep(0.3)
+    assert pod.removed == ["c1"], "the teardown stopped half way"
+    assert shutdown.calls == 0
+    await asyncio.sleep(0.3)
+    assert shutdown.calls == 1, "a shim nobody will ask to go stays forever"
+
+
+async def test_a_shim_with_a_container_or_a_shutdown_to_come_does_not_exit_by_itself(
+        service, monkeypatch) -> None:
+    monkeypatch.setattr(service_module, "IDLE_EXIT", 0.1)
+    svc, shutdown = service
+    add(svc, "c1", STOPPED)
+    add(svc, "c2", RUNNING)
+    svc.slot.pod = SlowPod(0)  # type: ignore[assignment]
+    await svc.Delete(api.DeleteRequest(id="c1"), CTX)
+    await asyncio.sleep(0.3)
+    assert shutdown.calls == 0 and list(svc.containers) == ["c2"]
+    svc.containers.clear()
+    svc.slot.sandbox_api_owner = "sandbox-1"  # its ShutdownSandbox ends it
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    svc._removed(done)  # as the end of a removal would
+    await asyncio.sleep(0.3)
+    assert shutdown.calls == 0
