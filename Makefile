@@ -116,6 +116,7 @@ test-busy: guest
 bench: guest
 	$(VENV)/bin/python bench/ttrpc_bench.py
 	$(VENV)/bin/python bench/pod_bench.py
+	$(VENV)/bin/python bench/scale.py
 	$(VENV)/bin/python bench/density.py
 	$(VENV)/bin/python bench/hardening_bench.py
 	$(VENV)/bin/python bench/accounting_bench.py
