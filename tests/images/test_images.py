@@ -5,9 +5,8 @@ byte for byte the same; then imported into a real containerd (one for the module
 by it with runc: the webhook serves AdmissionReviews over verified HTTPS as
 packaging/kubernetes/webhook.yaml runs it, unprivileged, on a read-only root, and code
 run in it as its user can neither write the image nor become root; the node image runs
-`podvm-node` from its /opt/podvm, and its monitor serves the metrics of a node's
-sandboxes (bench/monitor_bench.py's, written by the real state code) as the DaemonSet
-runs it."""
+`podvm-node` from its /opt/podvm, and its monitor serves the metrics of a running podvm
+pod as the DaemonSet runs it."""
 from __future__ import annotations
 
 import gzip
@@ -27,14 +26,16 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.monitor_bench import fake_node
 from images import build, python
 from images.oci import LAYER, MANIFEST
+from shim.host import paths
+from shim.host.podstate import PodState, state_path
 from tests.conftest import require_root, require_tool
 from tests.e2e.containerd import Containerd
 from tests.podvm_webhook.conftest import STATIC_CONFIG
 from tests.podvm_webhook.harness import (ROOT, Webhook, container, decoded_patch, free_port,
                                          pod)
+from tests.vmconfig import write_test_config
 
 pytestmark = pytest.mark.containerd
 
@@ -279,35 +280,52 @@ def test_the_node_image_runs_podvm_node_from_opt_podvm(containerd) -> None:
     assert out.startswith("nsenter from util-linux"), out
 
 
-def test_the_node_image_monitor_serves_the_node_s_sandboxes(containerd, tmp_path) -> None:
-    """As the DaemonSet runs it: the host's root at /host, the host's pid namespace (the
-    sandboxes' QEMU pids are the host's), the host's network."""
+def test_the_node_image_monitor_serves_a_running_podvm_pod(containerd, tmp_path) -> None:
+    """As the DaemonSet runs it (the host's root at /host, the host's pid namespace and
+    network) beside a real podvm pod (a container in its own VM, started through this
+    containerd): the values its shim recorded and what its VM and cgroup hold now."""
+    image = containerd.import_busybox(tmp_path)
+    config = write_test_config(tmp_path / "podvm.toml")
+    vm = f"vm-{uuid.uuid4().hex[:8]}"
+    containerd.ctr("run", "-d", "--runtime", "io.containerd.podvm.v2", "--runtime-config-path",
+                   str(config), image, vm, "sleep", "600")
     port = free_port()
     task = f"monitor-{uuid.uuid4().hex[:8]}"
-    with fake_node(2) as (host, states):
+    try:
+        state = PodState.load(state_path(paths.state_dir(containerd.namespace, vm)))
         containerd.ctr("run", "-d", "--net-host", "--with-ns", f"pid:/proc/{os.getpid()}/ns/pid",
                        "--log-uri", f"file://{tmp_path / 'monitor.log'}",
-                       "--mount", f"type=bind,src={host},dst=/host,options=rbind:ro", NODE,
+                       "--mount", "type=bind,src=/,dst=/host,options=rbind:ro", NODE,
                        task, "podvm-node", "monitor", f"--listen=127.0.0.1:{port}",
                        "--host-root=/host")
         try:
             samples = _scrape(port, tmp_path / "monitor.log")
         finally:
-            containerd.ctr("tasks", "kill", "-s", "SIGTERM", task, check=False)
-            _wait_stopped(containerd, task)
-            containerd.ctr("tasks", "delete", task, check=False)
-            containerd.ctr("containers", "delete", task, check=False)
-    for state in states:
-        values = {name: next(s.value for s in samples[f"podvm_sandbox_{name}"]
-                             if s.labels["sandbox_id"] == state.sandbox_id)
-                  for name in ("running", "plan_vcpus", "plan_memory_bytes", "boot_seconds")}
-        assert values == pytest.approx({
-            "running": 1, "plan_vcpus": state.plan.vcpus,
-            "plan_memory_bytes": state.plan.memory_mib << 20,
-            "boot_seconds": state.boot_seconds}), state.sandbox_id
-        pod_labels = {(s.labels["namespace"], s.labels["pod"])
-                      for s in samples["podvm_sandbox_running"]}
-        assert (state.pod_namespace, state.pod_name) in pod_labels
+            _remove_task(containerd, task, "SIGTERM")
+    finally:
+        _remove_task(containerd, vm, "SIGKILL")
+
+    def value(name: str, **labels: str) -> float:
+        return next(s.value for s in samples[f"podvm_sandbox_{name}"]
+                    if s.labels["sandbox_id"] == vm and
+                    all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("running") == 1
+    assert (value("plan_vcpus"), value("plan_memory_bytes")) == \
+        (state.plan.vcpus, state.plan.memory_mib << 20)
+    assert value("boot_seconds") == pytest.approx(state.boot_seconds)
+    assert value("guest_online_vcpus") == state.plan.vcpus
+    assert 0.5 * (state.plan.memory_mib << 20) < value("guest_memory_total_bytes") <= \
+        state.plan.memory_mib << 20
+    assert value("memory_charged_bytes") > 32 << 20, "QEMU's memory is charged to the pod"
+    assert value("vmm_cpu_seconds_total", role="vcpu") > 0
+
+
+def _remove_task(containerd: Containerd, task: str, signal: str) -> None:
+    containerd.ctr("tasks", "kill", "-s", signal, task, check=False)
+    _wait_stopped(containerd, task, timeout=60)
+    containerd.ctr("tasks", "delete", task, check=False)
+    containerd.ctr("containers", "delete", task, check=False)
 
 
 def _scrape(port: int, log: pathlib.Path, timeout: float = 60) -> dict[str, list]:
