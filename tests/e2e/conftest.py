@@ -23,8 +23,8 @@ def containerd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def image_cache(tmp_path_factory) -> pathlib.Path:
-    """The CRI modules' images; first, the run's default-shape template warmed, as the
-    node installer does (tests/vmconfig.py: the run's template store): their pods are
-    restored, as on a node."""
-    warm(vm_config().qemu)
+    """The CRI modules' images; first, the run's default-shape templates warmed, as the
+    node installer does (tests/vmconfig.py: the run's template store), on a pod network
+    and, for the Task API's pods, on none: their pods are restored, as on a node."""
+    warm(vm_config().qemu, "1:256:1", "1:256:0")
     return tmp_path_factory.mktemp("images")

@@ -248,10 +248,11 @@ def the_template(ctd: Containerd) -> str:
     return next(iter(made))
 
 
-def made_in_the_background(ctd: Containerd, pod: str, key: str | None = None) -> str:
+def made_in_the_background(ctd: Containerd, pod: str, key: str | None = None,
+                           watch: bool = True) -> str:
     """The key of the template `pod`'s shim makes after the pod booted, once it is
-    saved; its VM (`<pod>-template`) seen running in the templates' cgroup, never in the
-    pod's."""
+    saved; with `watch` (called as soon as the pod is ready: the make takes seconds),
+    its VM (`<pod>-template`) seen running in the templates' cgroup, never in the pod's."""
     name = f"podvm-{pod}-template".encode()
 
     def maker_cgroups() -> str:
@@ -263,10 +264,12 @@ def made_in_the_background(ctd: Containerd, pod: str, key: str | None = None) ->
                 continue
         return ""
 
-    groups = wait_for("the template's VM", maker_cgroups, timeout=60)
-    memory = next(line for line in groups.splitlines() if ":memory:" in line)
-    assert memory.split(":", 2)[2].startswith(f"{TEMPLATE_CGROUP}/podvm_template-"), groups
-    assert pod not in groups, groups
+    if watch:
+        groups = wait_for("the template's VM", maker_cgroups, timeout=60)
+        memory = next(line for line in groups.splitlines() if ":memory:" in line)
+        assert memory.split(":", 2)[2].startswith(f"{TEMPLATE_CGROUP}/podvm_template-"), \
+            groups
+        assert pod not in groups, groups
 
     def saved() -> str:
         return next((k for k, meta in templates(ctd).items() if meta["made_by"] == pod
@@ -318,8 +321,9 @@ def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
         cid = run_container(crictl, configs, pod, pod_file, "tpl-after", "sleep 600")
         r = crictl.exec(cid, "true", timeout=30)
         assert r.exit_code == 0, r.stderr
-        # Its shim makes the shape's template anew, and the next pod restores it.
-        assert made_in_the_background(ctd, pod, key) == key
+        # Its shim makes the shape's template anew (perhaps made already: its VM is
+        # watched in the next test), and the next pod restores it.
+        assert made_in_the_background(ctd, pod, key, watch=False) == key
     finally:
         remove_pod(crictl, pod)
     pod, _ = runp(crictl, ctd, configs, "tpl-remade")
