@@ -318,9 +318,9 @@ async def warm(run: shimpods.Run, args: argparse.Namespace, cpus: int) -> None:
     for shape, nics in [(target, 1), *((n, 0) for n in neighbours)]:
         path = write_config(run.work / f"warm-{shape.name}.toml", args.guest_dir,
                             args.accel, shape, {})
-        for line in await templatemaker.warm(config.load(str(path)).qemu, [
+        for outcome in await templatemaker.warm(config.load(str(path)).qemu, [
                 templatemaker.Shape(shape.vcpus, GUEST_MIB, nics)]):
-            print(f"template of {shape.name}: {line}", flush=True)
+            print(f"template of {shape.name}: {outcome.line}", flush=True)
 
 
 async def bench(args: argparse.Namespace, cpus: int, manager: cgroups.CgroupManager

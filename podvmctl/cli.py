@@ -82,18 +82,17 @@ def _warm(q: config.HypervisorConfig, shapes: list[str]) -> int:
     except ValueError as exc:
         print(f"podvmctl: {exc}", file=sys.stderr)
         return 2
-    if not q.enable_template or not templatestore.store_trusted(q.template_path):
-        print("podvmctl: templates are off: " + ("enable_template = false" if not
-              q.enable_template else templatestore.untrusted_store(q.template_path)),
-              file=sys.stderr)
-        return 1
     try:
-        for line in asyncio.run(templatemaker.warm(q, wanted)):
-            print(line)
+        outcomes = asyncio.run(templatemaker.warm(q, wanted))
+    except templatemaker.TemplatesOff as off:
+        print(f"podvmctl: templates are off: {off}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a boot's or a save's failure, in its own words
         print(f"podvmctl: templates warm: {exc}", file=sys.stderr)
         return 1
-    return 0
+    for outcome in outcomes:
+        print(outcome.line)
+    return 0 if all(o.ready for o in outcomes) else 1
 
 
 def _plan(args: argparse.Namespace) -> int:

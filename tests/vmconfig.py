@@ -90,7 +90,7 @@ def warm(q: HypervisorConfig, *shapes: str) -> list[str]:
     if not q.enable_template:
         return []
     wanted = [templatemaker.Shape.parse(s) for s in shapes] or [templatemaker.default_shape(q)]
-    said = asyncio.run(templatemaker.warm(q, wanted))
-    if not all(line.endswith((" made", " exists")) for line in said):
-        raise RuntimeError(f"templates not warmed: {'; '.join(said)}")
-    return said
+    outcomes = asyncio.run(templatemaker.warm(q, wanted))
+    if not all(o.ready for o in outcomes):
+        raise RuntimeError(f"templates not warmed: {'; '.join(o.line for o in outcomes)}")
+    return [o.line for o in outcomes]

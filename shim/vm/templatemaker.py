@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import os
 import re
@@ -38,6 +39,35 @@ VMM_MIB = 256
 """What QEMU takes beside the guest's memory while it boots and saves, under TCG too."""
 DEFAULT_MTU = 1500
 SHAPE = re.compile(r"(\d+):(\d+)(?::(\d+)(?::(\d+))?)?")
+WARM_WAIT_S = 600.0
+"""How long `warm` waits for another maker on the node (a pod's shim making its shape's
+template) before it says the shape is not warmed."""
+
+
+class TemplatesOff(Exception):
+    """This configuration keeps no templates: nothing to warm (the reason in words)."""
+
+
+class Result(enum.Enum):
+    MADE = "made"
+    EXISTS = "exists"
+    BUSY = "busy"
+    """Someone on the node is making this template, or another one, now."""
+    NO_ROOM = "no room"
+    TRIMMED = "trimmed"
+    """Made, and then trimmed by the store's caps at once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What `make` did: its kind, for code; its line, for people."""
+    result: Result
+    line: str
+
+    @property
+    def ready(self) -> bool:
+        """The template is there for the next pod."""
+        return self.result in (Result.MADE, Result.EXISTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,44 +113,56 @@ def spec_of(q: HypervisorConfig, shape: Shape, workdir: str) -> VMSpec:
     return templates.base_of(spec, q.default_vcpus, q.default_memory)
 
 
+def refusal(q: HypervisorConfig) -> str:
+    """Why this configuration keeps no templates; "" when it keeps them."""
+    if not q.enable_template:
+        return "enable_template = false"
+    if not templatestore.store_trusted(q.template_path):
+        return templatestore.untrusted_store(q.template_path)
+    return ""
+
+
 def class_of(spec: VMSpec) -> VMSpec | None:
     """The shape whose template `spec` (a pod's VM, its NICs attached) restores; None when
     this configuration keeps no templates."""
     q = spec.hypervisor
-    if not q.enable_template or not templatestore.store_trusted(q.template_path):
+    if refusal(q):
         return None
     return templates.base_of(spec, q.default_vcpus, q.default_memory)
 
 
-async def make(shape: VMSpec) -> str:
+async def make(shape: VMSpec) -> Outcome:
     """Make `shape`'s template unless there is one, or someone is making a template on
-    this node now; what happened, in a few words. Errors are the boot's (a broken guest
-    image) or templates.NotSaved."""
+    this node now. Errors are the boot's (a broken guest image) or templates.NotSaved."""
     q = shape.hypervisor
     template = templates.of(shape)
+    exists = Outcome(Result.EXISTS, f"template {template.key} exists")
     if template.exists():
-        return f"template {template.key} exists"
+        return exists
     os.makedirs(q.template_path, mode=0o700, exist_ok=True)
     slot = templatestore.lock(q.template_path, MAKING)
     if slot < 0:
-        return "another template is being made on this node"
+        return Outcome(Result.BUSY, "another template is being made on this node")
     try:
         lock = template.lock()
         if lock is None:
-            return f"template {template.key} is being made"
+            return Outcome(Result.BUSY, f"template {template.key} is being made")
         try:
             if template.exists():
-                return f"template {template.key} exists"
+                return exists
             if not templatestore.make_room(q.template_path, shape.memory_mib << 20,
                                            q.template_max_count, q.template_max_mib << 20):
-                return "no room for a template (template_max_count, template_max_mib, disk)"
+                return Outcome(Result.NO_ROOM, "no room for a template (template_max_count, "
+                                               "template_max_mib, disk)")
             await _make_in_cgroup(template, shape)
         finally:
             lock.release()
     finally:
         os.close(slot)
-    return f"template {template.key} made" if template.exists() else \
-        f"template {template.key} made and then trimmed (template_max_mib)"
+    if template.exists():
+        return Outcome(Result.MADE, f"template {template.key} made")
+    return Outcome(Result.TRIMMED,
+                   f"template {template.key} made and then trimmed (template_max_mib)")
 
 
 async def _make_in_cgroup(template: templates.Template, shape: VMSpec) -> None:
@@ -155,7 +197,7 @@ async def make_in_background(shape: VMSpec, sandbox_id: str) -> None:
     """For a pod that booted: its shape's template, for the next pod of the shape. Never
     raises: the pod runs on whatever happens here (cancelled when the pod goes)."""
     try:
-        said = await make(shape)
+        outcome = await make(shape)
     except asyncio.CancelledError:
         log.info("sandbox %s: template of its shape not made: the pod went first",
                  sandbox_id)
@@ -163,21 +205,30 @@ async def make_in_background(shape: VMSpec, sandbox_id: str) -> None:
     except Exception as exc:
         log.warning("sandbox %s: template of its shape not made: %s", sandbox_id, exc)
         return
-    log.info("sandbox %s: %s in the background", sandbox_id, said)
+    log.info("sandbox %s: %s in the background", sandbox_id, outcome.line)
 
 
-async def warm(q: HypervisorConfig, shapes: list[Shape]) -> list[str]:
-    """`podvmctl templates warm`: each shape's template made unless it exists; what
-    happened to each. Waits for a maker already at work (a pod's shim) rather than
-    skipping the shape."""
-    said = []
+async def warm(q: HypervisorConfig, shapes: list[Shape],
+               wait_s: float = WARM_WAIT_S) -> list[Outcome]:
+    """`podvmctl templates warm`: each shape's template made unless it exists, its line
+    led by the shape. Waits up to `wait_s` for a maker already at work (a pod's shim)
+    rather than skipping the shape. TemplatesOff where the configuration keeps none."""
+    off = refusal(q)
+    if off:
+        raise TemplatesOff(off)
+    outcomes = []
     with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
         for shape in shapes:
             spec = spec_of(q, shape, os.path.join(work, f"{shape.vcpus}-{shape.memory_mib}"))
-            while True:
-                result = await make(spec)
-                if "being made" not in result and not result.startswith("another"):
-                    break
+            deadline = asyncio.get_running_loop().time() + wait_s
+            outcome = await make(spec)
+            while outcome.result is Result.BUSY and \
+                    asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.5)
-            said.append(f"{shape.vcpus}:{shape.memory_mib}:{shape.nics}:{shape.mtu}: {result}")
-    return said
+                outcome = await make(spec)
+            if outcome.result is Result.BUSY:
+                outcome = dataclasses.replace(
+                    outcome, line=f"{outcome.line}: not warmed after {wait_s:.0f} s")
+            name = f"{shape.vcpus}:{shape.memory_mib}:{shape.nics}:{shape.mtu}"
+            outcomes.append(dataclasses.replace(outcome, line=f"{name}: {outcome.line}"))
+    return outcomes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -54,8 +55,36 @@ def test_one_maker_at_a_time_on_a_node(tmp_path) -> None:
         said = asyncio.run(templatemaker.make(spec))
     finally:
         os.close(held)
-    assert said == "another template is being made on this node"
+    assert said == templatemaker.Outcome(templatemaker.Result.BUSY,
+                                         "another template is being made on this node")
     assert not templates.of(spec).exists() and not os.path.exists(str(tmp_path / "w"))
+
+
+def test_warm_waits_for_the_maker_at_work_and_then_says_it_did_not_warm(tmp_path) -> None:
+    """`podvmctl templates warm` while a pod's shim holds the node's maker: it waits (it
+    does not skip the shape as made), but not for ever, and says so."""
+    q = vm_config(template_path=str(tmp_path / "store")).qemu
+    os.makedirs(q.template_path, mode=0o700)
+    held = templatestore.lock(q.template_path, templatemaker.MAKING)
+    try:
+        started = time.monotonic()
+        outcome, = asyncio.run(templatemaker.warm(q, [templatemaker.default_shape(q)],
+                                                  wait_s=2.0))
+        waited = time.monotonic() - started
+    finally:
+        os.close(held)
+    assert outcome.result is templatemaker.Result.BUSY and not outcome.ready
+    assert outcome.line == ("1:256:1:1500: another template is being made on this node: "
+                            "not warmed after 2 s")
+    assert 2 <= waited < 10, waited
+    assert os.listdir(q.template_path) == [f"{templatemaker.MAKING}.lock"]  # nothing made
+
+
+def test_warm_refuses_a_configuration_that_keeps_no_templates(tmp_path) -> None:
+    q = vm_config(template_path=str(tmp_path / "store"), enable_template=False).qemu
+    with pytest.raises(templatemaker.TemplatesOff, match="enable_template = false"):
+        asyncio.run(templatemaker.warm(q, [templatemaker.default_shape(q)]))
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_template_being_made_of_the_shape_is_not_made_twice(tmp_path) -> None:
@@ -67,7 +96,8 @@ def test_a_template_being_made_of_the_shape_is_not_made_twice(tmp_path) -> None:
         said = asyncio.run(templatemaker.make(spec))
     finally:
         lock.release()
-    assert said == f"template {templates.of(spec).key} is being made"
+    assert said == templatemaker.Outcome(templatemaker.Result.BUSY,
+                                         f"template {templates.of(spec).key} is being made")
 
 
 def test_podvmctl_warm_refuses_what_it_cannot_do_in_words(tmp_path, capsys) -> None:
