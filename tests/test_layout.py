@@ -64,9 +64,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
      "podvm_core.pb.containerd.cgroups.v2.metrics_pb2"):
         "the first Stats call, not the guest's boot",
     ("guest/agent/service.py",
-     "guest.agent.resume"):
-        "a guest restored from a template only",
-    ("guest/agent/service.py",
      "guest.agent.portforward"):
         "a pod that forwards a port only",
     ("guest/agent/service.py",

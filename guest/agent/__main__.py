@@ -35,6 +35,7 @@ import time  # noqa: E402
 from podvm_core.pb.agent import agent_pb2  # noqa: E402
 from podvm_core.ttrpc import Server, bind  # noqa: E402
 
+from . import holder  # noqa: E402
 from .port import open_port, wait_for_port  # noqa: E402
 from .reaper import REAPER  # noqa: E402
 from .service import AgentService  # noqa: E402
@@ -46,7 +47,8 @@ async def main() -> None:
     REAPER.install()
     service = AgentService()
     server = Server([bind(agent_pb2.DESCRIPTOR.services_by_name["Agent"], service)])
-    path = await wait_for_port()
+    # Both before the port opens: a template is saved as it opens, with this holder in it
+    path, _ = await asyncio.gather(wait_for_port(), holder.prepare())
     log.info("serving podvm.agent.v1.Agent on %s, %.2fs after boot", path, time.monotonic())
     while True:
         reader, writer = await open_port(path)

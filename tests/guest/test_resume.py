@@ -5,6 +5,7 @@ tests/vm/test_template.py)."""
 from __future__ import annotations
 
 import os
+import pathlib
 import time
 
 import pytest
@@ -70,8 +71,9 @@ async def test_the_crng_is_reseeded_right_after_the_clock_before_anything_else(
         def apply(self, change):
             done.append(("mac", change.device, change.address))
 
-    async def mount_share() -> None:
+    def mount_share() -> float:
         done.append(("share",))
+        return time.monotonic()
 
     monkeypatch.setattr(resume, "Netlink", Netlink)
     monkeypatch.setattr(resume, "_mount_share", mount_share)
@@ -87,3 +89,36 @@ def test_the_reseed_is_one_a_real_kernel_takes() -> None:
     CAP_SYS_ADMIN): a wrong request number or a kernel without it fails here."""
     require_root()
     resume._reseed(os.urandom(64))
+
+
+def test_the_share_is_mounted_as_the_guest_s_fstab_says() -> None:
+    """mount(2)'s arguments from the fstab the guest image carries, for either share."""
+    fstab = pathlib.Path(__file__).resolve().parents[2] / "guest" / "fstab"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(resume, "FSTAB", str(fstab))
+        assert resume.share_entry("virtiofs") == ("podvm", "")
+        assert resume.share_entry("9p") == (
+            "podvm", "trans=virtio,version=9p2000.L,msize=262144,cache=mmap")
+        with pytest.raises(TtrpcError) as err:
+            resume.share_entry("nfs")
+    assert err.value.code == Code.FAILED_PRECONDITION and "no nfs line" in err.value.message
+
+
+def test_a_share_that_does_not_mount_is_said_with_the_kernel_s_reason(tmp_path,
+                                                                      monkeypatch) -> None:
+    """mount(2) for real, on this machine's kernel, where no virtio transport has the
+    share's tag: the resume fails in words, and nothing is mounted."""
+    require_root()
+    fstab = tmp_path / "fstab"
+    share = tmp_path / "shared"
+    share.mkdir()
+    fstab.write_text(f"podvm {share} 9p trans=virtio,version=9p2000.L 0 0\n")
+    monkeypatch.setattr(resume, "FSTAB", str(fstab))
+    monkeypatch.setattr(resume, "SHARE", str(share))
+    monkeypatch.setattr(resume, "share_type", lambda: "9p")
+    with pytest.raises(TtrpcError) as err:
+        resume._mount_share()
+    assert err.value.code == Code.FAILED_PRECONDITION, err.value.message
+    assert err.value.message.startswith(f"mount of the pod's share (9p podvm) at {share} "
+                                        f"failed: "), err.value.message
+    assert not os.path.ismount(share)
