@@ -154,6 +154,29 @@ async def test_a_memory_copy_keeps_holes_and_is_checked(tmp_path) -> None:
         os.close(memfd)
 
 
+def test_a_memory_of_many_chunks_is_copied_whole_as_it_is_read_ahead(tmp_path) -> None:
+    """More data than the reading thread may hold ahead of the hash, in extents that
+    end mid-chunk: the memfd is the file, byte for byte, and the digest the file's."""
+    memory = tmp_path / "m.ram"
+    size = 64 << 20
+    data = {0: os.urandom(7 * memcopy.CHUNK + 8192), 40 << 20: os.urandom(3 << 20)}
+    with open(memory, "wb") as f:
+        f.truncate(size)
+        for offset, chunk in data.items():
+            f.seek(offset)
+            f.write(chunk)
+    memfd = os.memfd_create("t")
+    try:
+        assert memcopy.copy(str(memory), size, stateload.digest(str(memory)), memfd) == ""
+        for offset, chunk in data.items():
+            assert os.pread(memfd, len(chunk), offset) == chunk
+        assert os.pread(memfd, 1 << 20, 36 << 20) == bytes(1 << 20)
+        assert "changed since it was saved" in memcopy.copy(str(memory), size, "0" * 64,
+                                                            memfd)
+    finally:
+        os.close(memfd)
+
+
 def test_pages_of_zeros_in_a_saved_memory_become_holes(tmp_path) -> None:
     """Pages the guest touched and left zero are neither kept, copied nor charged."""
     memory = tmp_path / "m.ram"
