@@ -26,7 +26,8 @@ from .test_podvm_pods import (configs, crictl, ctd, pod_qemus,  # noqa: F401
 
 ATTACK_SECONDS = 600
 """At most: the attack goes on until the test has done its rounds and says stop."""
-VICTIM_ROUNDS = 3
+VICTIM_ROUNDS = 2
+"""Containers made, used and removed under attack, one after the other."""
 
 # Run by the guest kernel as root in the guest's first namespaces (the core-dump helper)
 # as /proc/<pid>/root/tools/escape.sh: its arguments in args beside it (core_pattern holds

@@ -12,6 +12,7 @@ import os
 import pathlib
 
 import pytest
+import pytest_asyncio
 
 from guest.cpio import CpioWriter
 from shim.vm.agent import Agent
@@ -41,12 +42,19 @@ def status_fields(pid: int) -> dict[str, str]:
         return {k: v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
 
 
-@pytest.fixture(params=["virtio-fs", "virtio-9p"])
-async def vm(tmp_path, request):
+# One VM of each shared file system, in the module's loop, serves every test that only
+# looks at a running QEMU (booting one a test cost the suite 40 s): those tests run in
+# that loop too.
+ON_THE_VM = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["virtio-fs", "virtio-9p"])
+async def vm(tmp_path_factory, request):
+    base = tmp_path_factory.mktemp("jail")
     # Another pod's state beside this one's: the jail must not show it.
-    (tmp_path / "other" / "vm").mkdir(parents=True)
-    (tmp_path / "other" / "vm" / "secret").write_text("another pod's")
-    qemu = QemuVM(spec(tmp_path, shared_fs=request.param))
+    (base / "other" / "vm").mkdir(parents=True)
+    (base / "other" / "vm" / "secret").write_text("another pod's")
+    qemu = QemuVM(spec(base, shared_fs=request.param))
     await qemu.launch()
     try:
         agent = Agent.of_vm(qemu)
@@ -57,6 +65,11 @@ async def vm(tmp_path, request):
         await qemu.stop()
 
 
+def other_pod(vm) -> pathlib.Path:
+    """The state of another pod, beside the VM's."""
+    return pathlib.Path(vm.spec.workdir).parents[1] / "other"
+
+
 def kept(vm) -> tuple[str, ...]:
     return jail.KEEP if serves_files(vm) else ()
 
@@ -65,6 +78,7 @@ def serves_files(vm) -> bool:
     return vm.spec.hypervisor.shared_fs == "virtio-9p"
 
 
+@ON_THE_VM
 async def test_proc_shows_seccomp_no_new_privs_and_only_the_kept_capabilities(vm) -> None:
     fields = status_fields(vm.pid)
     assert fields["Seccomp"] == "2" and fields["NoNewPrivs"] == "1"
@@ -78,7 +92,8 @@ async def test_proc_shows_seccomp_no_new_privs_and_only_the_kept_capabilities(vm
     assert sorted(jail.KEEP) == ["chown", "dac_override", "fowner", "fsetid"]
 
 
-async def test_its_root_holds_only_the_pod_s_files(vm, tmp_path) -> None:
+@ON_THE_VM
+async def test_its_root_holds_only_the_pod_s_files(vm) -> None:
     root = pathlib.Path(f"/proc/{vm.pid}/root")
     q = vm.spec.hypervisor
     assert sorted(p.name for p in (root / "dev").iterdir()) == \
@@ -87,7 +102,7 @@ async def test_its_root_holds_only_the_pod_s_files(vm, tmp_path) -> None:
         assert os.path.lexists(f"{root}{present}"), present
     assert os.path.lexists(f"{root}{vm.spec.shared_dir}") == serves_files(vm)
     for absent in ("/etc/shadow", "/etc/passwd", "/var/lib/containerd", "/proc/1", "/sys/fs",
-                   "/root", "/run/containerd", str(tmp_path / "other"), "/home"):
+                   "/root", "/run/containerd", str(other_pod(vm)), "/home"):
         assert not os.path.lexists(f"{root}{absent}"), absent
     assert sorted(os.listdir(root / "etc")) == ["ld.so.cache"]
     # /proc is QEMU's own /proc/PID alone (its 9p server needs /proc/self/fd, and the
@@ -177,8 +192,9 @@ def _check(result: int) -> None:
         raise OSError(ctypes.get_errno(), "")
 
 
+@ON_THE_VM
 async def test_an_attacker_with_qemu_s_rights_in_its_namespace_writes_only_pod_files(
-        vm, tmp_path) -> None:
+        vm) -> None:
     writable = [vm.spec.workdir, *([vm.spec.shared_dir] if serves_files(vm) else [])]
     found = in_namespace(f"/proc/{vm.pid}/ns/mnt", _as_qemu_attacker, writable, kept(vm))
     assert set(writable) <= set(found["created"])  # a test that can fail
@@ -191,6 +207,7 @@ async def test_an_attacker_with_qemu_s_rights_in_its_namespace_writes_only_pod_f
         "sysrq": "ENOENT", "proc/sys": "ENOENT"}
 
 
+@ON_THE_VM
 async def test_a_qemu_reaches_no_other_process(vm) -> None:
     """Every pod's QEMU is uid 0 with the same capabilities: Linux alone lets one ptrace
     another and signal any root process. podvm's filter refuses it (unfiltered, the
