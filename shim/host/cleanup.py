@@ -190,8 +190,12 @@ def cleanup_from_state(state_dir: str) -> None:
         state, unreadable = None, None
     except PodStateError as exc:
         state, unreadable = None, exc
-    marker = state.qmp_socket if state is not None and state.qmp_socket else state_dir + "/"
-    qemus = set(qemus_of(marker))
+    # The pod's QEMU (its QMP socket is on its command line, also where its pid was never
+    # recorded) and any other of the sandbox's: the template its shim was making runs in
+    # a work directory beside the pod's
+    qemus = set(qemus_of(state_dir + "/"))
+    if state is not None and state.qmp_socket:
+        qemus.update(qemus_of(state.qmp_socket))
     if state is not None and state.qemu_start_time is not None and \
             start_time(state.qemu_pid) == state.qemu_start_time:  # still the QEMU it was
         qemus.add(state.qemu_pid)
@@ -218,6 +222,9 @@ def cleanup_from_state(state_dir: str) -> None:
         except NetworkError as exc:  # the cgroups still go
             failed = exc
     destroy_cgroups(state.cgroup)
+    if state.template_cgroup is not None:
+        destroy_cgroups(state.template_cgroup)
+        remove_parent_if_empty(state.template_cgroup)
     if failed is not None:
         raise failed
 
@@ -246,6 +253,20 @@ def destroy_cgroups(state: CgroupState) -> None:
     manager.destroy(state.layout)
     if state.overhead is not None:
         manager.destroy(state.overhead)
+
+
+def remove_parent_if_empty(state: CgroupState) -> None:
+    """The cgroup above `state`'s sandbox cgroup (template_cgroup, where templates are
+    made), once nothing else is in it: nothing of the templates stays in the node's
+    cgroups between makes."""
+    manager = cgroups.manager_from_state(dict(state.manager))
+    hierarchies = manager.hierarchies if isinstance(manager, cgroups.CgroupV1Manager) \
+        else (manager.hierarchy,)
+    for h in hierarchies:
+        try:
+            os.rmdir(h.directory(state.layout.pod_cgroup))
+        except OSError:  # another maker's, or gone
+            pass
 
 
 def remove_tree(path: str) -> None:

@@ -91,6 +91,9 @@ class PodState:
     """One Ping round trip to the guest agent once it is up; 0 before."""
     guest_oom_kills: int = 0
     """Containers the guest's OOM killer ended, as the agent reported them."""
+    template_cgroup: CgroupState | None = None
+    """The cgroup of the template this pod's shim is making (shim/vm/templatemaker.py),
+    recorded before it is made: `delete` removes it after a crash."""
     version: int = VERSION
 
     def __post_init__(self) -> None:

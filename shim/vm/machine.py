@@ -236,8 +236,8 @@ class Machine(MachineResize):
         background (in its own cgroup, shim/vm/templatemaker.py), for the next pod;
         cancelled by shutdown() if the pod goes first."""
         if self._untemplated is not None and self._template_maker is None:
-            self._template_maker = asyncio.create_task(
-                templatemaker.make_in_background(self._untemplated, self.id))
+            self._template_maker = asyncio.create_task(templatemaker.make_in_background(
+                self._untemplated, self.id, lambda cg: self.record(template_cgroup=cg)))
 
     async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
         """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""

@@ -19,17 +19,22 @@ import logging
 import os
 import re
 import tempfile
+from typing import Callable
 
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 
 from ..config import HypervisorConfig
 from ..host.capacity import capacity
+from ..host.cleanup import remove_parent_if_empty
+from ..host.podstate import CgroupState
 from ..network.model import PlaceholderNic
 from . import template as templates, templatestore
 from .hypervisor import VMSpec
 
 log = logging.getLogger("podvm.templatemaker")
+
+Record = Callable[[CgroupState | None], None]
 
 MAKING = "making"
 """The store's lock that one maker holds on a node while it makes any template."""
@@ -131,9 +136,11 @@ def class_of(spec: VMSpec) -> VMSpec | None:
     return templates.base_of(spec, q.default_vcpus, q.default_memory)
 
 
-async def make(shape: VMSpec) -> Outcome:
+async def make(shape: VMSpec, record: Record | None = None) -> Outcome:
     """Make `shape`'s template unless there is one, or someone is making a template on
-    this node now. Errors are the boot's (a broken guest image) or templates.NotSaved."""
+    this node now. Errors are the boot's (a broken guest image) or templates.NotSaved.
+    `record`: told the template's cgroup before it is made, and None once it is gone (a
+    pod's shim keeps it in sandbox.json, for `delete` after a crash)."""
     q = shape.hypervisor
     template = templates.of(shape)
     exists = Outcome(Result.EXISTS, f"template {template.key} exists")
@@ -154,7 +161,7 @@ async def make(shape: VMSpec) -> Outcome:
                                            q.template_max_count, q.template_max_mib << 20):
                 return Outcome(Result.NO_ROOM, "no room for a template (template_max_count, "
                                                "template_max_mib, disk)")
-            await _make_in_cgroup(template, shape)
+            await _make_in_cgroup(template, shape, record)
         finally:
             lock.release()
     finally:
@@ -165,39 +172,33 @@ async def make(shape: VMSpec) -> Outcome:
                    f"template {template.key} made and then trimmed (template_max_mib)")
 
 
-async def _make_in_cgroup(template: templates.Template, shape: VMSpec) -> None:
+async def _make_in_cgroup(template: templates.Template, shape: VMSpec,
+                          record: Record | None) -> None:
     q = shape.hypervisor
     manager = cgroups.detect()
     limits = CgroupLimits(cpu_shares=CPU_SHARES if manager.version == 1 else None,
                           memory_limit_bytes=(shape.memory_mib + VMM_MIB) << 20,
                           devices=cgroups.QEMU_DEVICES if manager.version == 1 else None)
-    layout = SandboxLayout(q.template_cgroup, f"template-{template.key[:16]}")
-    cgroup = SandboxCgroup.create(layout, limits, manager)
+    state = CgroupState(manager=manager.to_state(),
+                        layout=SandboxLayout(q.template_cgroup, f"template-{template.key[:16]}"))
+    if record is not None:
+        record(state)
+    cgroup = SandboxCgroup.create(state.layout, limits, manager)
     try:
         await template.make(shape, cgroup.preexec(), q.template_max_count,
                             q.template_max_mib << 20)
     finally:
         cgroup.destroy()
-        _remove_if_empty(manager, q.template_cgroup)
+        remove_parent_if_empty(state)
+        if record is not None:
+            record(None)
 
 
-def _remove_if_empty(manager: cgroups.CgroupManager, path: str) -> None:
-    """template_cgroup itself, once no template is being made in it: nothing of the
-    templates stays in the node's cgroups between makes."""
-    hierarchies = manager.hierarchies if isinstance(manager, cgroups.CgroupV1Manager) \
-        else (manager.hierarchy,)
-    for h in hierarchies:
-        try:
-            os.rmdir(h.directory(path))
-        except OSError:  # another maker's (a pod's of another store), or gone
-            pass
-
-
-async def make_in_background(shape: VMSpec, sandbox_id: str) -> None:
+async def make_in_background(shape: VMSpec, sandbox_id: str, record: Record) -> None:
     """For a pod that booted: its shape's template, for the next pod of the shape. Never
     raises: the pod runs on whatever happens here (cancelled when the pod goes)."""
     try:
-        outcome = await make(shape)
+        outcome = await make(shape, record)
     except asyncio.CancelledError:
         log.info("sandbox %s: template of its shape not made: the pod went first",
                  sandbox_id)
@@ -212,10 +213,12 @@ async def warm(q: HypervisorConfig, shapes: list[Shape],
                wait_s: float = WARM_WAIT_S) -> list[Outcome]:
     """`podvmctl templates warm`: each shape's template made unless it exists, its line
     led by the shape. Waits up to `wait_s` for a maker already at work (a pod's shim)
-    rather than skipping the shape. TemplatesOff where the configuration keeps none."""
+    rather than skipping the shape. TemplatesOff where the configuration keeps none. The
+    store is pruned first (templatestore.prune)."""
     off = refusal(q)
     if off:
         raise TemplatesOff(off)
+    templatestore.prune(q.template_path)  # what changed or a killed maker left goes first
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
         for shape in shapes:

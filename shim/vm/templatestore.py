@@ -15,6 +15,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import stat
 import time
 
@@ -205,9 +206,28 @@ def prune(directory: str) -> list[str]:
         elif name.endswith((".vmstate", ".vmstate.ram")) and not os.path.exists(
                 path[:path.index(".vmstate")] + ".json"):
             _unlink(path)  # its metadata was never written: an interrupted save
+        elif MAKING_FILE.fullmatch(name):
+            _unlink_unless_made(directory, name)
     if removed:
         log.info("templates of changed files removed: %s", ", ".join(removed))
     return removed
+
+
+MAKING_FILE = re.compile(r"([0-9a-f]+)\.vmstate\.\d+\.tmp(\.ram)?")
+"""A template's files while its maker writes them (shim/vm/template.py: the state,
+`<key>.vmstate.<pid>.tmp`, and the memory beside it)."""
+
+
+def _unlink_unless_made(directory: str, name: str) -> None:
+    """A file a maker left when it was killed (`shim delete` cannot know the store):
+    removed unless someone is making that template now (and holds its lock)."""
+    fd = lock(directory, MAKING_FILE.fullmatch(name).group(1))  # type: ignore[union-attr]
+    if fd < 0:
+        return
+    try:
+        _unlink(os.path.join(directory, name))
+    finally:
+        os.close(fd)
 
 
 def identity(path: str) -> list:

@@ -34,7 +34,7 @@ from .containerd import Containerd, shims_of
 from .cri import Crictl, write_config
 from .netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
 from .test_crictl import pod_config, run_container, wait_for
-from .test_podvm_pods import qemus, remove_pod, runp
+from .test_podvm_pods import podvm_leftovers, qemus, remove_pod, runp
 
 ETH_P_ALL = 0x0003
 TEMPLATE_AGE = 8.0
@@ -332,6 +332,45 @@ def test_a_template_that_does_not_restore_is_discarded_and_the_pod_boots(
         assert shim_lines(ctd, pod, f"VM restored from template {key}")
     finally:
         remove_pod(crictl, pod)
+
+
+def test_a_shim_killed_while_its_template_is_made_leaves_nothing(ctd, crictl,
+                                                                 configs) -> None:
+    """The crash a pod's background template make must survive: its shim SIGKILLed while
+    the template's VM boots. containerd's `shim delete` then removes the template's VM
+    and cgroup too (recorded in sandbox.json before it was made), and the half-written
+    files go at the store's next prune; nothing of the pod is left, and no template."""
+    pod_file = write_config(configs, "pod-tpl-killed.json", pod_config(
+        ctd, configs, "tpl-killed", annotations={KATA + "default_memory": "259"}))
+    pod = crictl.runp(pod_file, runtime="podvm")
+    try:
+        name = f"podvm-{pod}-template".encode()
+
+        def maker() -> tuple[int, str] | None:
+            for pid in qemus():
+                try:
+                    if name in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                        return pid, pathlib.Path(f"/proc/{pid}/cgroup").read_text()
+                except OSError:
+                    continue
+            return None
+
+        vm, groups = wait_for("the template's VM", maker, timeout=60)
+        memory = next(line for line in groups.splitlines() if ":memory:" in line)
+        cgroup = pathlib.Path("/sys/fs/cgroup/memory" + memory.split(":", 2)[2])
+        assert cgroup.is_dir()
+        shim, = (pid for pid, cmd in shims_of(ctd.address) if pod in cmd)
+        os.kill(shim, 9)
+    finally:
+        remove_pod(crictl, pod)
+    wait_for("the template's VM to go", lambda: not os.path.exists(f"/proc/{vm}"),
+             timeout=30)
+    assert not cgroup.exists() and not cgroup.parent.exists(), cgroup
+    assert podvm_leftovers(ctd, pod) == []
+    assert not [k for k, meta in templates(ctd).items() if meta["made_by"] == pod]
+    warm(ctd)  # a make: its prune takes what the killed maker wrote
+    assert not [n for n in os.listdir(ctd.templates) if ".tmp" in n], \
+        os.listdir(ctd.templates)  # type: ignore[attr-defined]
 
 
 def test_a_pod_of_a_new_shape_boots_at_once_and_a_flood_keeps_the_store_within_its_cap(

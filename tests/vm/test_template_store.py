@@ -158,3 +158,25 @@ def test_podvmctl_lists_and_removes_templates(tmp_path, capsys) -> None:
         assert "template bbb is being made: not removed" in capsys.readouterr().err
     finally:
         making.release()
+
+
+def test_what_a_killed_maker_left_goes_at_the_next_prune_unless_it_is_being_made(
+        tmp_path) -> None:
+    """A shim SIGKILLed while it made a template leaves its half-written files (no
+    `finally` ran, and `shim delete` does not know the store): the next prune removes
+    them, but never those of a template someone is making now (its lock is held)."""
+    store = str(tmp_path)
+    left = ["a1b2c3.vmstate.4242.tmp", "a1b2c3.vmstate.4242.tmp.ram"]
+    making = ["d4e5f6.vmstate.77.tmp", "d4e5f6.vmstate.77.tmp.ram"]
+    others = ["notes.tmp", "a1b2c3.vmstate.x.tmp"]  # not a maker's: never touched
+    for name in left + making + others:
+        (tmp_path / name).write_bytes(b"x")
+    held = templatestore.lock(store, "d4e5f6")
+    assert held >= 0
+    try:
+        templatestore.prune(store)
+    finally:
+        os.close(held)
+    names = set(os.listdir(store))
+    assert not names & set(left), names
+    assert set(making + others) <= names
