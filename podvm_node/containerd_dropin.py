@@ -29,7 +29,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
-from . import tomlwrite
+from shim import tomlwrite
 
 CONFIG = "/etc/containerd/config.toml"
 DROPIN = "/etc/containerd/conf.d/podvm.toml"

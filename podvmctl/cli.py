@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from shim import __version__, config
+from shim import __version__, config, tomlwrite
 from shim.vm import templatestore
 from . import status
 
@@ -21,12 +21,16 @@ def _config(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return 0
-    print(f"# effective podvm configuration, from {cfg.source}")
-    for section, attr in (("hypervisor.qemu", "qemu"), ("runtime", "runtime")):
-        print(f"\n[{section}]")
-        for key, value in dataclasses.asdict(getattr(cfg, attr)).items():
-            print(f"{key} = {_toml(value)}")
+    print(tomlwrite.dumps({"hypervisor": {"qemu": _plain(cfg.qemu)},
+                           "runtime": _plain(cfg.runtime)},
+                          f"# effective podvm configuration, from {cfg.source}\n\n"), end="")
     return 0
+
+
+def _plain(section: object) -> dict:
+    """A configuration section as TOML has it (its tuples as arrays)."""
+    return {key: list(value) if isinstance(value, tuple) else value
+            for key, value in dataclasses.asdict(section).items()}
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -114,16 +118,6 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print("\n".join(plan.render(what, v, policy) for what, v in verdicts), end="")
     return 0 if all(v.allowed for _, v in verdicts) else 1
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return str(value)
 
 
 def parser() -> argparse.ArgumentParser:
