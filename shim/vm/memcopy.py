@@ -19,14 +19,10 @@ import errno
 import hashlib
 import mmap
 import os
-import queue
 import struct
 import sys
-import threading
 
 CHUNK = 4 << 20
-READ_AHEAD = 4
-"""Chunks the reading thread may be ahead of the hash."""
 ALIGN = 4096  # O_DIRECT's unit, and a page: a multiple of every logical block size in use
 ZERO_PAGE = bytes(ALIGN)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -112,78 +108,20 @@ def open_direct(path: str) -> int:
 
 
 def copy(path: str, size: int, sha256: str, memfd: int) -> str:
-    """`path` into `memfd`; "" when done and unchanged, else what is wrong. The file is
-    read straight into the memfd's pages (no buffer between), by a thread that runs
-    ahead of the hashing: the reads wait on the disk while the hash runs (both release
-    the GIL), where one after the other took twice as long."""
+    """`path` into `memfd`; "" when done and unchanged, else what is wrong."""
     fd = open_direct(path)
+    view = memoryview(mmap.mmap(-1, CHUNK))  # page-aligned, as O_DIRECT wants
     try:
         if os.fstat(fd).st_size != size:
             return f"{path} is {os.fstat(fd).st_size} bytes, not {size}"
         os.ftruncate(memfd, size)
-        ram = mmap.mmap(memfd, size)
-        view = memoryview(ram)
-        try:
-            h = hashlib.sha256()
-            for kind, offset, length in _read_ahead(fd, view):
-                if kind == "extent":
-                    h.update(struct.pack("<QQ", offset, length))
-                else:
-                    h.update(view[offset:offset + length])
-            return changed(path, h.hexdigest(), sha256)
-        finally:
-            view.release()
-            ram.close()
+        h = hashlib.sha256()
+        for offset, chunk in hashed(fd, h, view):
+            os.pwrite(memfd, chunk, offset)
+        return changed(path, h.hexdigest(), sha256)
     finally:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-
-
-def _read_ahead(fd: int, view: memoryview):
-    """("extent", offset, length) for each data extent of the file, then ("data", offset,
-    length) for each chunk of it once it is in `view` at its offset; read by a thread
-    of its own, up to READ_AHEAD chunks ahead of the caller."""
-    ready: queue.Queue = queue.Queue()
-    credit = threading.Semaphore(READ_AHEAD)
-    stop = threading.Event()
-
-    def reader() -> None:
-        try:
-            for offset, length in extents(fd):
-                ready.put(("extent", offset, length))
-                done = 0
-                while done < length:
-                    credit.acquire()
-                    if stop.is_set():
-                        return
-                    # O_DIRECT reads whole blocks: the file's last one may go past its end
-                    at = offset + done
-                    want = min(CHUNK, -(-(length - done) // ALIGN) * ALIGN, len(view) - at)
-                    got = min(os.preadv(fd, [view[at:at + want]], at), length - done)
-                    if got <= 0:
-                        raise OSError(errno.EIO, f"ended at {at}, not {offset + length}")
-                    ready.put(("data", at, got))
-                    done += got
-            ready.put(None)
-        except BaseException as exc:  # noqa: B902 (handed to the caller)
-            ready.put(exc)
-
-    thread = threading.Thread(target=reader, name="memcopy-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item[0] == "data":
-                credit.release()
-    finally:
-        stop.set()
-        credit.release()
-        thread.join()
 
 
 def changed(path: str, got: str, saved: str) -> str:
