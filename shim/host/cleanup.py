@@ -190,12 +190,10 @@ def cleanup_from_state(state_dir: str) -> None:
         state, unreadable = None, None
     except PodStateError as exc:
         state, unreadable = None, exc
-    # The pod's QEMU (its QMP socket is on its command line, also where its pid was never
-    # recorded) and any other of the sandbox's: the template its shim was making runs in
-    # a work directory beside the pod's
+    # Every QEMU whose command line names the state directory (also one whose pid was
+    # never recorded): the pod's, whose QMP socket is in its vm/, and the template its
+    # shim was making, in vm-template/ beside it
     qemus = set(qemus_of(state_dir + "/"))
-    if state is not None and state.qmp_socket:
-        qemus.update(qemus_of(state.qmp_socket))
     if state is not None and state.qemu_start_time is not None and \
             start_time(state.qemu_pid) == state.qemu_start_time:  # still the QEMU it was
         qemus.add(state.qemu_pid)

@@ -62,8 +62,9 @@ class PodState:
     plan: SandboxPlan
     """The plan in force."""
     qmp_socket: str = ""
-    """On the command line of the pod's QEMU: how `delete` finds one whose pid was never
-    recorded."""
+    """On the command line of the pod's QEMU: how a workload container's delete finds the
+    pod's mount namespace (cleanup.py); the sandbox's own delete takes every QEMU of the
+    state directory."""
     qemu_pid: int = 0
     qemu_start_time: int | None = None
     """processes.start_time() of qemu_pid: tells it from a process that got its pid later."""
