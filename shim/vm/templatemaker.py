@@ -223,6 +223,7 @@ async def warm(q: HypervisorConfig, shapes: list[Shape],
     with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
         for shape in shapes:
             spec = spec_of(q, shape, os.path.join(work, f"{shape.vcpus}-{shape.memory_mib}"))
+            os.mkdir(spec.shared_dir)  # 9p exports it (empty: a template mounts no share)
             deadline = asyncio.get_running_loop().time() + wait_s
             outcome = await make(spec)
             while outcome.result is Result.BUSY and \

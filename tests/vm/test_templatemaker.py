@@ -117,3 +117,19 @@ def test_podvmctl_warm_refuses_what_it_cannot_do_in_words(tmp_path, capsys) -> N
     assert cli.main(["templates", "warm", "--config", str(conf)]) == 1
     assert "templates are off: enable_template = false" in capsys.readouterr().err
     assert list(store.iterdir()) == []
+
+
+def test_warm_gives_the_template_vm_an_empty_share_to_export(tmp_path, monkeypatch) -> None:
+    """Over 9p QEMU exports the shared directory from the template VM's start (its jail
+    binds it): warm makes it, empty, where a pod's share would be (it was missing, and
+    warm failed with shared_fs = "virtio-9p")."""
+    q = vm_config(template_path=str(tmp_path / "store"), shared_fs="virtio-9p").qemu
+    seen = []
+
+    async def make(spec, record=None):
+        seen.append((os.path.isdir(spec.shared_dir), os.listdir(spec.shared_dir)))
+        return templatemaker.Outcome(templatemaker.Result.MADE, "made")
+
+    monkeypatch.setattr(templatemaker, "make", make)
+    outcome, = asyncio.run(templatemaker.warm(q, [templatemaker.default_shape(q)]))
+    assert outcome.result is templatemaker.Result.MADE and seen == [(True, [])]
