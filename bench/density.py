@@ -11,6 +11,7 @@ Target (issue 15): an idle default pod <= 160 MiB charged to its sandbox cgroup 
 runp to ready <= 3 s.
 
 usage: python bench/density.py [N] [--accel tcg|kvm] [--window SECONDS]
+                               [--scratch-disk-mib MIB]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import psutil
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from shim.config import HypervisorConfig  # noqa: E402
 from tests.e2e.containerd import Containerd, shims_of  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
@@ -167,12 +169,16 @@ def main() -> int:
     parser.add_argument("--accel", default="tcg")
     parser.add_argument("--window", type=float, default=30.0,
                         help="seconds over which idle CPU is measured")
+    parser.add_argument("--scratch-disk-mib", type=int,
+                        default=HypervisorConfig.scratch_disk_mib,
+                        help="the pods' scratch disk (scratch_disk_mib; 0: none)")
     parser.add_argument("--settle", type=float, default=10.0,
                         help="seconds the last pod idles before measuring")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="podvm-density-") as tmp:
         work = pathlib.Path(tmp)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
+                                   scratch_disk_mib=args.scratch_disk_mib,
                                    template_path=str(work / "templates"))
         warm_templates(config)
         with Containerd(work / "containerd", namespace="podvm-density", cri=True,

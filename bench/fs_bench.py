@@ -7,11 +7,13 @@ bench/net_bench.py does (busybox date has no %N).
 
 A SQLite loop is left out: Debian ships no static sqlite3 the busybox image could run.
 
-`--shared-fs virtio-9p` measures podvm's fallback (its old default) instead.
+`--shared-fs virtio-9p` measures podvm's fallback (its old default) instead;
+`--scratch-disk-mib 0`, podvm without a scratch disk (the containers' writable layers on
+the host, every file operation over the share, as before the scratch disk).
 
 usage: python bench/fs_bench.py [--files N] [--tar-files M] [--accel tcg|kvm]
                                 [--runtime-only podvm|runc] [--shared-fs virtio-fs|virtio-9p]
-                                [--json FILE]
+                                [--scratch-disk-mib MIB] [--json FILE]
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from net_bench import loadavg, machine, parse_loop, terminated, timed_loop  # noqa: E402
-from shim.config import SHARED_FS  # noqa: E402
+from shim.config import SHARED_FS, HypervisorConfig  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import pod_network_config  # noqa: E402
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         make_tar(tools / "files.tar", args.tar_files)
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    template_path=str(work / "templates"),
-                                   shared_fs=args.shared_fs)
+                                   shared_fs=args.shared_fs,
+                                   scratch_disk_mib=args.scratch_disk_mib)
         warm_templates(config)
         ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
                          podvm_config=config)
@@ -189,6 +192,10 @@ def main() -> int:
     parser.add_argument("--runtime-only", choices=RUNTIMES, help="measure one runtime")
     parser.add_argument("--shared-fs", choices=SHARED_FS, default=SHARED_FS[0],
                         help="how podvm shares the files (default virtio-fs)")
+    parser.add_argument("--scratch-disk-mib", type=int,
+                        default=HypervisorConfig.scratch_disk_mib,
+                        help="podvm's scratch disk (default %(default)s; 0: the writable "
+                             "layers on the host)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
     if args.files < 1 or args.tar_files < 1:
@@ -198,7 +205,8 @@ def main() -> int:
     load_before = loadavg()
     results = run(args)
     print()
-    print(f"machine: {machine(args.accel)}; podvm's shared_fs {args.shared_fs}; load "
+    print(f"machine: {machine(args.accel)}; podvm's shared_fs {args.shared_fs}, "
+          f"scratch_disk_mib {args.scratch_disk_mib}; load "
           f"average {load_before} before, {loadavg()} after")
     print("\n".join(table(results, args.files, args.tar_files)))
     print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "

@@ -25,7 +25,8 @@ charge). The CRI calls are made and timed from this process (bench/podcost.py).
 
 usage: python bench/pod_bench.py [--pods N] [--accel tcg|kvm] [--no-template | --cold]
                                  [--sizes V:M,...] [--shared-fs virtio-fs|virtio-9p]
-                                 [--runtimes podvm,runc] [--keep-log FILE]
+                                 [--scratch-disk-mib MIB] [--runtimes podvm,runc]
+                                 [--keep-log FILE]
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from bench.podcost import (RUNTIMES, CriPods, PodCost, comparison,  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
 from shim.resources.annotations import KATA  # noqa: E402
+from shim.config import HypervisorConfig  # noqa: E402
 from tests.vmconfig import GUEST, warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
@@ -108,6 +110,9 @@ def parse_args() -> argparse.Namespace:
                         help="copy containerd's log (the shims' lines included) to FILE")
     parser.add_argument("--shared-fs", default="virtio-fs", choices=("virtio-fs", "virtio-9p"),
                         help="how the pod's files reach the guest (shared_fs)")
+    parser.add_argument("--scratch-disk-mib", type=int,
+                        default=HypervisorConfig.scratch_disk_mib,
+                        help="the pods' scratch disk (scratch_disk_mib; 0: none)")
     parser.add_argument("--sizes", default="1:256", type=sizes,
                         help="vCPUs:MiB of the pods in turn (default 1:256, the default size)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES), type=runtimes,
@@ -159,6 +164,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[PodCost]], list[list[f
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    enable_template=not args.no_template,
                                    shared_fs=args.shared_fs,
+                                   scratch_disk_mib=args.scratch_disk_mib,
                                    template_path=str(work / "templates"),
                                    enable_annotations=("default_vcpus", "default_memory"))
         if not args.cold:

@@ -165,8 +165,9 @@ def write_config(path: pathlib.Path, guest: pathlib.Path, accel: str, shape: Pod
              f'initrd = "{guest / "initrd.img"}"', f'accel = "{accel}"',
              f"default_vcpus = {shape.vcpus}", f"default_maxvcpus = {shape.vcpus}",
              f"default_memory = {GUEST_MIB}", "boot_timeout = 600",
-             # the run's own templates, removed with its work directory
-             f'template_path = "{path.parent / "templates"}"']
+             # the run's own templates and scratch disks, removed with its work directory
+             f'template_path = "{path.parent / "templates"}"',
+             f'scratch_path = "{path.parent / "scratch"}"']
     if (guest / "rootfs.img").is_file():  # an image whose root is a disk of its own
         lines.append(f'image = "{guest / "rootfs.img"}"')
     lines += ["[runtime]", 'sizing = "max"']

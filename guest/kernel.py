@@ -12,11 +12,14 @@ import pathlib
 ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs"]
 # What the root's /init loads from the image: virtiofs (or 9p) for the pod's share
 # (shim/config.py's shared_fs), virtio_net for the pod's interfaces,
-# virtio_balloon to hand the pages the guest frees back to the host.
-MODULES = ["virtio_console", "virtiofs", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon"]
+# virtio_balloon to hand the pages the guest frees back to the host, virtio_blk, ext4
+# and overlay for the containers' writable layers on the pod's scratch disk
+# (guest/agent/writable.py).
+MODULES = ["virtio_console", "virtiofs", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon",
+           "virtio_blk", "ext4", "overlay"]
 # Loaded on demand, as on a node: what a privileged container (or one with NET_ADMIN or
 # SYS_ADMIN) can use under runc and would miss in the guest: bridges, netfilter (nft and
-# iptables), tun, overlay, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under
+# iptables), tun, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under
 # the kernel's module tree, globs allowed; what they depend on comes with them. They sit
 # in the shared root image, so a pod pays for one only when it loads it.
 ON_DEMAND = ["net/bridge/*.ko", "net/netfilter/*.ko", "net/netfilter/ipset/*.ko",
@@ -24,7 +27,7 @@ ON_DEMAND = ["net/bridge/*.ko", "net/netfilter/*.ko", "net/netfilter/ipset/*.ko"
              "net/ipv6/netfilter/*.ko", "net/bridge/netfilter/*.ko", "net/8021q/*.ko",
              "drivers/net/tun.ko", "drivers/net/veth.ko", "drivers/net/dummy.ko",
              "drivers/net/macvlan.ko", "drivers/net/ipvlan/*.ko", "drivers/net/vxlan/*.ko",
-             "fs/overlayfs/*.ko", "fs/fuse/*.ko",
+             "fs/fuse/*.ko",
              # the text search conntrack helpers ask for by name (amanda, ...)
              "lib/ts_*.ko"]
 

@@ -6,7 +6,8 @@ podvm's own packages with their pinned dependencies:
 
     lib/            the dynamic loader (as lib/ld.so) and every shared library;
                     QEMU's TCG module (lib/x86_64-linux-gnu/qemu)
-    bin/            qemu-system-x86_64, containerd-shim-podvm-v2, podvmctl, podvm-node
+    bin/            qemu-system-x86_64, containerd-shim-podvm-v2, podvmctl, podvm-node,
+                    mke2fs (the scratch disks' blank file system)
     libexec/        virtiofsd
     share/qemu/     the firmware podvm's QEMU command line loads
     share/podvm/    vmlinux, initrd.img, rootfs.img
@@ -45,6 +46,7 @@ CONFIG_SOURCE = ROOT / "packaging" / "configuration.toml"
 GUEST_FILES = ("vmlinux", "initrd.img", "rootfs.img")
 EXECUTABLES = {"bin/qemu-system-x86_64": "/usr/bin/qemu-system-x86_64",
                "libexec/virtiofsd": "/usr/lib/qemu/virtiofsd",
+               "bin/mke2fs": "/sbin/mke2fs",
                "python/bin/python3.11": "/usr/bin/python3.11"}
 FIRMWARE_DIRS = ("/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe/qemu")
 FIRMWARE = ("qboot.rom", "pvh.bin", "linuxboot_dma.bin", "linuxboot.bin", "kvmvapic.bin",
@@ -62,7 +64,7 @@ UNTOUCHED_LIBS = ("ld-linux-x86-64.so.2", "libc.so.6")
 """Need nothing but each other: left exactly as Debian ships them."""
 CONFIG_PATHS = {"path": "bin/qemu-system-x86_64", "kernel": "share/podvm/vmlinux",
                 "initrd": "share/podvm/initrd.img", "image": "share/podvm/rootfs.img",
-                "virtio_fs_daemon": "libexec/virtiofsd"}
+                "virtio_fs_daemon": "libexec/virtiofsd", "scratch_mke2fs": "bin/mke2fs"}
 
 
 class BundleError(RuntimeError):
@@ -282,6 +284,7 @@ def check(stage: pathlib.Path) -> None:
               f"echo quit | {PREFIX}/bin/qemu-system-x86_64 -machine none -accel tcg "
               f"-nodefaults -display none -monitor stdio >/dev/null && "
               f"{PREFIX}/libexec/virtiofsd --version && "
+              f"{PREFIX}/bin/mke2fs -V && "
               f"{PREFIX}/bin/containerd-shim-podvm-v2 -v && "
               f"{PREFIX}/bin/podvmctl config --file {PREFIX}/etc/configuration.toml")
     out = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,

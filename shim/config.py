@@ -72,6 +72,17 @@ class HypervisorConfig:
     """Kata's key: the virtiofsd binary (QEMU 7.2's, from qemu-system-common)."""
     virtio_fs_cache: str = "auto"
     """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
+    scratch_disk_mib: int = 10240
+    """The pod's scratch disk (a virtio-blk disk of this size, sparse on the host, gone
+    with the pod; shim/host/scratchdisk.py): every container's writable layer is there,
+    an overlay in the guest over its image from the share. 0: no disk, the writable
+    layer is the host's (containerd's snapshot) and every file operation crosses the
+    share."""
+    scratch_path: str = "/var/lib/podvm/scratch"
+    """A directory on a disk (not a tmpfs: the disks' data would be host memory) for the
+    scratch disks, which have no name there, and the blank file system they start as."""
+    scratch_mke2fs: str = "/sbin/mke2fs"
+    """e2fsprogs' mke2fs, which makes the blank file system (once per size)."""
 
     @property
     def vmm_overhead_mib(self) -> int:
@@ -272,6 +283,12 @@ def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
     if q.shared_fs not in SHARED_FS:
         raise ConfigError(f"{where} shared_fs must be one of {', '.join(SHARED_FS)}, "
                           f"got {q.shared_fs!r}")
+    if q.scratch_disk_mib and not 64 <= q.scratch_disk_mib <= 1 << 24:
+        raise ConfigError(f"{where} scratch_disk_mib must be 0 (no scratch disk) or 64 to "
+                          f"{1 << 24} (MiB), got {q.scratch_disk_mib}")
+    if q.scratch_disk_mib and not os.path.isabs(q.scratch_path):
+        raise ConfigError(f"{where} scratch_path must be an absolute path, got "
+                          f"{q.scratch_path!r}")
     if q.virtio_fs_cache not in _FS_CACHES:
         raise ConfigError(f"{where} virtio_fs_cache must be one of {', '.join(_FS_CACHES)}, "
                           f"got {q.virtio_fs_cache!r}")

@@ -116,7 +116,9 @@ def nothing_left_running(tmp_path_factory):
     from shim.config import HypervisorConfig
 
     system_templates = pathlib.Path(HypervisorConfig().template_path)
+    system_scratch = pathlib.Path(HypervisorConfig().scratch_path)
     templates_before = _entries(system_templates)
+    scratch_before = _entries(system_scratch)
     before = _ours()
     yield
     import time
@@ -124,6 +126,9 @@ def nothing_left_running(tmp_path_factory):
     made = sorted(_entries(system_templates) - templates_before)
     assert not made, (f"templates left in {system_templates} (a pod of the run used the "
                       f"default template_path): {made}")
+    made = sorted(_entries(system_scratch) - scratch_before)
+    assert not made, (f"files left in {system_scratch} (a pod of the run used the default "
+                      f"scratch_path): {made}")
 
     base = str(tmp_path_factory.getbasetemp())
 

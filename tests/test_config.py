@@ -46,6 +46,8 @@ def test_partial_file_keeps_other_defaults(tmp_path: pathlib.Path) -> None:
     ("[hypervisor.qemu]\ntemplate_cgroup = \"podvm\"\n", "template_cgroup must be an absolute"),
     ("[hypervisor.qemu]\ntemplate_cgroup = \"/a/../kubepods\"\n", "without '..'"),
     ("[hypervisor.qemu]\ntemplate_cgroup = \"/\"\n", "below the root"),
+    ("[hypervisor.qemu]\nscratch_disk_mib = 10\n", "scratch_disk_mib must be 0"),
+    ("[hypervisor.qemu]\nscratch_path = \"scratch\"\n", "scratch_path must be an absolute"),
     ("[runtime\n", "not valid TOML"),
     ("runtime = 3\n", "[runtime] must be a table"),
 ])

@@ -54,9 +54,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("guest/agent/containers.py",
      "shutil"):
         "a terminal only: the agent boots without it",
-    ("guest/agent/oom.py",
-     "ctypes"):
-        "the first container's watch, not the guest's boot",
+    ("guest/agent/writable.py",
+     "shutil"):
+        "a container's layer removed, not the guest's boot",
     ("guest/agent/resources.py",
      "glob"):
         "hot-plug only: the agent boots without glob and fnmatch",
@@ -72,9 +72,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("guest/agent/service.py",
      "termios"):
         "a terminal only",
-    ("guest/agent/service.py",
-     "ctypes"):
-        "power-off only",
     ("podvm_core/ttrpc/__init__.py",
      "podvm_core.ttrpc.client"):
         "the client's first use: the agent serves without it",

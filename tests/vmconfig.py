@@ -25,6 +25,7 @@ TEMPLATE_CGROUP = f"/podvm-test-templates-{os.getpid()}"
 
 def remove_templates() -> None:
     shutil.rmtree(TEMPLATES, ignore_errors=True)
+    shutil.rmtree(f"{TEMPLATES}-scratch", ignore_errors=True)
     for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
         try:  # empty: each template's own cgroup went with its VM
             (hierarchy / TEMPLATE_CGROUP.lstrip("/")).rmdir()
@@ -54,6 +55,8 @@ def vm_config(**qemu: object) -> Config:
                   boot_timeout=60, template_path=str(TEMPLATES),
                   template_cgroup=TEMPLATE_CGROUP)
     fields.update(qemu)
+    # the scratch disks' blank file system beside the templates: this run's, not the node's
+    fields.setdefault("scratch_path", f"{fields['template_path']}-scratch")
     return Config(qemu=HypervisorConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
 
 
@@ -64,12 +67,12 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
     for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs",
-                "template_cgroup"):
+                "template_cgroup", "scratch_path"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
-                "boot_timeout", "template_max_count", "template_max_mib"):
+                "boot_timeout", "template_max_count", "template_max_mib", "scratch_disk_mib"):
         lines.append(f"{key} = {getattr(q, key)}")
     lines.append("[runtime]")
     for key, value in (runtime or {}).items():

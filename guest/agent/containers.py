@@ -53,6 +53,9 @@ class Container:
         self.execs: dict[str, Process] = {}
         self.holder = holder
         """No runc container: the pod's namespace holder stands in (holder.py)."""
+        self.layer_root = ""
+        """Its root, when the agent made it over a writable layer of its own
+        (writable.py)."""
 
     def process(self, exec_id: str) -> Process:
         return pick(self.id, self.init, self.execs, exec_id)

@@ -16,7 +16,7 @@ import asyncio
 import os
 import struct
 
-from . import resources
+from . import libc, resources
 
 IN_MODIFY = 0x2
 IN_IGNORED = 0x8000
@@ -24,27 +24,16 @@ _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (t
 
 
 class _Inotify:
-    """inotify(7) through libc (ctypes loads at the first container, not at boot)."""
+    """inotify(7) through libc (guest/agent/libc.py)."""
 
     def __init__(self) -> None:
-        import ctypes  # at the first container, not at boot (the agent's start lacks it)
-
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.fd = libc.inotify_init(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def add_watch(self, path: str, mask: int) -> int:
-        import ctypes  # loaded by __init__ already: only the name is bound here
-
-        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), mask)
-        if wd < 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, os.strerror(errno), path)
-        return wd
+        return libc.inotify_add_watch(self.fd, path, mask)
 
     def rm_watch(self, wd: int) -> None:
-        self._libc.inotify_rm_watch(self.fd, wd)  # gone already if its cgroup went
+        libc.inotify_rm_watch(self.fd, wd)  # gone already if its cgroup went
 
     def read(self) -> list[tuple[int, int]]:
         """(wd, mask) of each pending event; none if nothing is pending."""

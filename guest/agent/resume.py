@@ -6,11 +6,10 @@ virtio-fs its device is not even in the template: the restored VM has it, unseen
 guest until a rescan of the PCI bus finds it). The share is mounted by mount(2) itself:
 a process spawned here (mount -a) took a third of the resume under TCG.
 
-Loaded with the agent (guest/agent/service.py), ctypes with it: a template holds them,
+Loaded with the agent (guest/agent/service.py), libc.py with it: a template holds them,
 so a restored guest imports nothing on this path."""
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import logging
 import os
@@ -19,7 +18,7 @@ import time
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.ttrpc import Code, TtrpcError
 
-from . import network
+from . import libc, network
 from .rtnetlink import LinkSet, Netlink
 
 log = logging.getLogger("podvm.agent")
@@ -114,9 +113,9 @@ def _mount_share() -> float:
             f.write("1")
     found = time.monotonic()
     source, data = share_entry(fstype)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(source.encode(), SHARE.encode(), fstype.encode(), 0, data.encode()) != 0:
-        err = ctypes.get_errno()
+    try:
+        libc.mount(source, SHARE, fstype, 0, data)
+    except OSError as exc:
         raise TtrpcError(Code.FAILED_PRECONDITION, f"mount of the pod's share ({fstype} "
-                         f"{source}) at {SHARE} failed: {os.strerror(err)}")
+                         f"{source}) at {SHARE} failed: {exc.strerror}") from None
     return found

@@ -18,7 +18,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # resume: loaded at the start, so that it is in every template's memory and no
 # restored guest imports it (under TCG an import on the restore path costs 0.1 s)
-from . import containers, holder, network, oci, resources, resume, runc
+from . import containers, holder, libc, network, oci, resources, resume, runc, writable
 from .containers import Container
 from .oom import OOMKills
 
@@ -123,11 +123,20 @@ class AgentService:
             self.containers[req.container_id] = container
             return pb.CreateContainerResponse(pid=container.init.pid)
         root = (spec.get("root") or {}).get("path", "")
-        if not os.path.isdir(root):
+        if req.rootfs_lower:  # its writable layer on the scratch disk
+            writable.make(req.container_id, req.rootfs_lower, root)
+        elif not os.path.isdir(root):
             raise TtrpcError(Code.INVALID_ARGUMENT,
                              f"container {req.container_id}: rootfs {root!r} is not shared")
         spec = oci.guest_spec(spec, req.container_id, self._sandbox_pid())
-        container = await containers.create(req.container_id, spec, req.stdio, req.sandbox)
+        try:
+            container = await containers.create(req.container_id, spec, req.stdio,
+                                                req.sandbox)
+        except BaseException:
+            if req.rootfs_lower:
+                writable.remove(req.container_id, root)
+            raise
+        container.layer_root = root if req.rootfs_lower else ""
         self.containers[req.container_id] = container
         self.oom_kills.watch(req.container_id)
         log.info("created %s (pid %d)", req.container_id, container.init.pid)
@@ -254,6 +263,10 @@ class AgentService:
             for proc in (container.init, *container.execs.values()):
                 proc.close()
             del self.containers[req.container_id]
+        layer = time.monotonic()
+        if container.layer_root:  # what the container wrote goes with it
+            await asyncio.to_thread(writable.remove, req.container_id, container.layer_root)
+        layer = time.monotonic() - layer
         self.oom_kills.forget(req.container_id)
         import shutil  # only now: every import before the agent serves costs boot time
 
@@ -263,7 +276,7 @@ class AgentService:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
-        log.info("removed %s", req.container_id)
+        log.info("removed %s (its writable layer in %.3fs)", req.container_id, layer)
         return Empty()
 
     async def RemoveProcess(self, req: pb.RemoveProcessRequest, ctx: Context) -> Empty:
@@ -348,15 +361,10 @@ class AgentService:
             except TtrpcError:
                 pass
         os.sync()
-        asyncio.get_running_loop().call_later(0.05, _power_off)
+        asyncio.get_running_loop().call_later(0.05, libc.power_off)
         return Empty()
 
 
-def _power_off() -> None:
-    import ctypes  # only now: every import before the agent serves costs boot time
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.reboot(0x4321FEDC)  # LINUX_REBOOT_CMD_POWER_OFF
 
 
 def _freeze(container_id: str, frozen: bool) -> None:

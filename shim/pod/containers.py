@@ -69,14 +69,16 @@ class PodContainers:
                 await self.apply(container_id, None, quiet=True)  # no container: none kept
                 raise
         guest = guestspec.rewrite(with_mounts(spec, self.files), container_id,
-                                  self.guest_cpus(container_id))
+                                  self.guest_cpus(container_id),
+                                  writable_in_guest=self.machine.has_scratch_disk and
+                                  not pod_holder)
         for what in guest.dropped:
             log.info("container %s: left out %s", container_id, what)
         try:
             self.machine.share_container(container_id, bundle, rootfs, guest.binds)
             await self._agent().create_container(
                 container_id, json.dumps(guest.spec).encode(), stdio, sandbox=owns_vm,
-                pod_holder=pod_holder)
+                pod_holder=pod_holder, rootfs_lower=guest.rootfs_lower)
         except BaseException as exc:
             await self._undo_add(container_id, owns_vm)
             if isinstance(exc, OSError):

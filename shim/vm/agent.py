@@ -126,10 +126,12 @@ class Agent:
         await self._call("Resume", req, Empty, timeout)
 
     async def create_container(self, container_id: str, spec_json: bytes, stdio: Stdio,
-                               sandbox: bool, pod_holder: bool = False) -> int:
+                               sandbox: bool, pod_holder: bool = False,
+                               rootfs_lower: str = "") -> int:
         req = pb.CreateContainerRequest(container_id=container_id, spec_json=spec_json,
                                         stdio=stdio.message(), sandbox=sandbox,
-                                        sandbox_id=self._sandbox_id, pod_holder=pod_holder)
+                                        sandbox_id=self._sandbox_id, pod_holder=pod_holder,
+                                        rootfs_lower=rootfs_lower)
         return (await self._call("CreateContainer", req, pb.CreateContainerResponse,
                                  SETUP)).pid
 

@@ -26,6 +26,8 @@ from ..host import mounts as host_mounts
 
 GUEST_SHARED = "/run/podvm/shared"
 """A namespace path the agent resolves to the guest sandbox container's."""
+GUEST_ROOTS = "/run/podvm/rootfs"
+"""Where the agent makes a container's root that has its writable layer in the guest."""
 _HOST_KERNEL_PATHS = ("/dev", "/proc", "/sys")
 _SHM_TMPFS = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}
@@ -53,6 +55,9 @@ class GuestSpec:
     binds: tuple[HostBind, ...]
     dropped: tuple[str, ...]
     """What was left out, for the log."""
+    rootfs_lower: str = ""
+    """The share's directory the agent lays the container's writable layer over (its
+    root, root.path, is then the guest's own overlay); "" when the share is the root."""
 
 
 def rootfs_path(container_id: str) -> str:
@@ -61,15 +66,18 @@ def rootfs_path(container_id: str) -> str:
 
 
 def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None,
-            submounts: Callable[[str], list[host_mounts.Submount]] = host_mounts.submounts
-            ) -> GuestSpec:
+            submounts: Callable[[str], list[host_mounts.Submount]] = host_mounts.submounts,
+            writable_in_guest: bool = False) -> GuestSpec:
     """`guest_cpus`: the vCPUs the container's host cpuset maps to (pinned vCPUs), which
     become its cpuset in the guest; none: the host cpuset is dropped. `submounts`: what
-    is mounted below a host directory (the host's mount table)."""
+    is mounted below a host directory (the host's mount table). `writable_in_guest`: the
+    container's writable layer is on the pod's scratch disk, over its image in the
+    share (GuestSpec.rootfs_lower)."""
     spec = copy.deepcopy(spec)
     root = spec.get("root") or {}
-    spec["root"] = {"path": f"{GUEST_SHARED}/{rootfs_path(container_id)}",
-                    "readonly": bool(root.get("readonly", False))}
+    shared_root = f"{GUEST_SHARED}/{rootfs_path(container_id)}"
+    spec["root"] = {"path": f"{GUEST_ROOTS}/{container_id}" if writable_in_guest
+                    else shared_root, "readonly": bool(root.get("readonly", False))}
     binds: list[HostBind] = []
     dropped: list[str] = []
     mounts = []
@@ -114,7 +122,8 @@ def rewrite(spec: dict, container_id: str, guest_cpus: list[int] | None = None,
             ns = {"type": ns.get("type"), "path": SANDBOX_NS}
         namespaces.append(ns)
     linux["namespaces"] = namespaces
-    return GuestSpec(spec, tuple(binds), tuple(dropped))
+    return GuestSpec(spec, tuple(binds), tuple(dropped),
+                     shared_root if writable_in_guest else "")
 
 
 def _writable_below(destination: str, target: str,

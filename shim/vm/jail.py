@@ -110,7 +110,8 @@ class Jail:
 
     def _proc_self(self) -> None:
         """QEMU's own /proc/PID (the pid it keeps through exec) as /proc/self, and no
-        other part of /proc: its 9p server sets modes and owners through /proc/self/fd
+        other part of /proc: the guest's RAM (restored) and its scratch disk are opened
+        by /proc/self/fd paths, its 9p server sets modes and owners through them
         (without it the guest cannot create a file), while a procfs would give a uid-0
         process /proc/sys and /proc/sysrq-trigger by file mode alone."""
         target = os.path.join(self.root, "proc", "self")

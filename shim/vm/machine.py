@@ -78,6 +78,11 @@ class Machine(MachineResize):
     def pid(self) -> int:
         return self.vm.pid if self.vm else 0
 
+    @property
+    def has_scratch_disk(self) -> bool:
+        """The VM has a scratch disk: its containers' writable layers are there."""
+        return self.vm is not None and bool(self.vm.spec.scratch_disk)
+
     # --- what the Pod asks of its machine ------------------------------------------------
 
     def ended(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Callable
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
+from ..host import scratchdisk
 from ..host.libc import last_errno, libc
 from ..host.processes import peek_exit
 from . import jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state
@@ -85,9 +86,7 @@ class QemuVM(VM):
         return qemu_command.console_log(self.spec.workdir)
 
     @property
-    def console_socket(self) -> str:
-        """QEMU's end of the guest's serial console, copied into console_log at a bounded
-        size (shim/vm/console.py)."""
+    def console_socket(self) -> str:  # copied into console_log (shim/vm/console.py)
         return qemu_command.console_socket(self.spec.workdir)
 
     def command(self) -> list[str]:
@@ -111,19 +110,22 @@ class QemuVM(VM):
         if self.spec.hypervisor.shared_fs == "virtio-fs" and not self.spec.saved:
             self._files = FileServer(self.spec)
             await self._files.start(preexec)
-        memfd = -1
+        memfd = disk = -1
         try:
             memfd, self._memory = qemu_state.open_memory(self.spec, restore_from, preexec)
-            if memfd >= 0:  # a descriptor: no path of the guest's RAM is in the jail
-                self.spec = dataclasses.replace(self.spec,
-                                                memory_path=f"/proc/self/fd/{memfd}")
-            await self._spawn(preexec, [memfd] if memfd >= 0 else [])
+            disk = scratchdisk.open_for(self.spec.hypervisor)
+            # descriptors: no path of the guest's RAM or of its disk is in the jail
+            self.spec = dataclasses.replace(
+                self.spec, memory_path=f"/proc/self/fd/{memfd}" if memfd >= 0 else
+                self.spec.memory_path, scratch_disk=f"/proc/self/fd/{disk}" if disk >= 0 else "")
+            await self._spawn(preexec, [fd for fd in (memfd, disk) if fd >= 0])
         except BaseException:
             await self._stop_helpers()
             raise
         finally:
-            if memfd >= 0:
-                os.close(memfd)  # QEMU and the copy have their own
+            for fd in (memfd, disk):
+                if fd >= 0:
+                    os.close(fd)  # QEMU (and the memory's copy) have their own
 
     async def _spawn(self, preexec: Callable[[], None] | None, fds: list[int]) -> None:
         """QEMU started, confined, and attached until the guest's agent port is open."""

@@ -148,6 +148,28 @@ def virtio_fs_chardev(workdir: str) -> dict:
         "server": False}}}
 
 
+SCRATCH = "scratch"
+"""The id of the scratch disk's block node and virtio-blk device; its serial is
+SCRATCH_SERIAL, by which the guest finds it (guest/agent/writable.py)."""
+SCRATCH_SERIAL = "podvm-scratch"
+
+
+def _scratch(s: VMSpec) -> list[str]:
+    """The pod's scratch disk (in a template too: its state is saved with the VM, and a
+    restored pod's disk is its own copy of the same blank file system). O_DIRECT: the
+    guest's page cache, in the pod's RAM, is the disk's only cache (none in the host's,
+    where it would be charged to the pod twice). No flush reaches the host's disk: the
+    disk dies with QEMU, so nothing on it could be read after a crash that a flush
+    would have kept. The guest's discards (guest/agent/writable.py trims when a layer
+    goes) punch holes in the file."""
+    if not s.hypervisor.scratch_disk_mib or not s.scratch_disk:
+        return []
+    return ["-blockdev", f"driver=file,node-name={SCRATCH},filename={s.scratch_disk},"
+                         "cache.direct=on,cache.no-flush=on,discard=unmap,locking=off",
+            "-device", f"virtio-blk-pci,drive={SCRATCH},id={SCRATCH},"
+                       f"serial={SCRATCH_SERIAL}"]
+
+
 def command(s: VMSpec) -> list[str]:
     """The whole command line of `s`'s VM (a template's too; restoring adds -incoming)."""
     q = s.hypervisor
@@ -192,6 +214,7 @@ def command(s: VMSpec) -> list[str]:
         "-chardev", f"socket,id=agent,path={agent_socket(s.workdir)},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,id=agentport,name={AGENT_PORT}",
         *_share(s),
+        *_scratch(s),
         "-pidfile", os.path.join(s.workdir, "qemu.pid"),
         *(["-sandbox", q.seccompsandbox] if q.seccompsandbox else []),
         *(arg for nic in s.nics

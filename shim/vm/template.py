@@ -49,6 +49,7 @@ import os
 import time
 from typing import Callable
 
+from ..host import scratchdisk
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
 from ..resources.update import MEMORY_BLOCK_MIB
@@ -200,8 +201,10 @@ def of(spec: VMSpec) -> Template:
     q = spec.hypervisor
     inputs = {name: templatestore.identity(path) for name, path in (
         ("qemu", q.path), ("kernel", q.kernel), ("initrd", q.initrd), ("image", q.image))}
+    if q.scratch_disk_mib:  # the guest has read the blank's first blocks
+        inputs["scratch"] = templatestore.identity(scratchdisk.blank(q))
     canonical = dataclasses.replace(template_spec(spec), sandbox_id="", workdir="/",
-                                    shared_dir="/", memory_path="/")
+                                    shared_dir="/", memory_path="/", scratch_disk="/")
     digest = hashlib.sha256(json.dumps({
         "format": templatestore.FORMAT, "inputs": inputs,
         "command": vmm.create(canonical).command()}, sort_keys=True).encode())

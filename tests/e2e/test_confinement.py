@@ -20,8 +20,8 @@ from podvmctl import status
 from shim.vm import jail
 
 from .containerd import CRI_NAMESPACE, mount_namespace
-from .cri import Crictl
-from .test_crictl import wait_for
+from .cri import Crictl, write_config
+from .test_crictl import container_config, wait_for
 from .test_podvm_pods import (cri_containerd, pod_file_servers, pod_qemus, remove_pod,
                              runp, start_container)
 
@@ -133,14 +133,27 @@ def test_a_container_s_files_reach_qemu_after_it_started_and_leave_with_it(
              lambda: cid not in server_mounts.read_text())
 
 
-def test_the_guest_s_root_still_owns_and_modes_its_files(crictl, pods) -> None:
-    """What virtiofsd's capabilities are for: file ownership, modes, set-id bits; and
-    what it is denied: device nodes (a guest's would be a host device node)."""
-    cid = pods[1]["container"]
+def test_the_guest_s_root_still_owns_and_modes_its_files(crictl, configs, pods,
+                                                        tmp_path) -> None:
+    """What virtiofsd's capabilities are for, in a host directory it serves (a volume:
+    the container's own root is on its scratch disk): file ownership, modes, set-id bits;
+    and what it is denied: device nodes (a guest's would be a host device node)."""
+    pod = pods[1]
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    config = dict(container_config("owner", "sleep 1000"),
+                  mounts=[{"container_path": "/vol", "host_path": str(volume)}])
+    cid = crictl.create(pod["pod"], write_config(configs, "owner.json", config), pod["file"])
+    crictl.start(cid)
     result = crictl.exec(cid, "sh", "-c",
-                         "cd /tmp && mkdir -p d && chown 1000:1000 d && chmod 755 d && "
+                         "cd /vol && mkdir -p d && chown 1000:1000 d && chmod 755 d && "
                          "touch d/x f && chown 1000:1000 f && chmod 2750 f && "
                          "stat -c '%u %g %a' f d/x && mknod n c 1 3 || echo mknod-refused")
     assert result.exit_code == 0, result
     assert result.stdout.split("\n")[:3] == ["1000 1000 2750", "0 0 644", "mknod-refused"], \
         result.stdout
+    st = (volume / "f").stat()  # made on the host by virtiofsd, as the guest's root asked
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o2750)
+    assert not (volume / "n").exists()
+    crictl.run("stop", "-t", "0", cid)
+    crictl.run("rm", cid)

@@ -1,10 +1,10 @@
 """A hostile guest against the shared directory, through containerd's CRI: a privileged
 container escapes to root in the guest (its kernel runs a core-dump helper of the
 container's choosing as root in the guest's first namespaces) and from there attacks the
-pod's 9p share for as long as the test lasts, with the moves that worked against Kata
+pod's share for as long as the test lasts, with the moves that worked against Kata
 (CVE-2020-2026): every entry of the structure the shim walks moved away, removed and
 swapped for a symlink to a host directory, new names planted, the state directory's
-tmpfs filled. Meanwhile the test
+tmpfs filled; and its scratch disk written raw, inside and past its end. Meanwhile the test
 creates, starts and removes containers with volumes and host files.
 
 Nothing the guest does may reach the host: no write to the structure is let through
@@ -13,10 +13,13 @@ nothing is mounted outside the pod's state directory, every container still work
 nothing is left when the pod goes."""
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 import time
 
-from shim.host import paths
+from shim.host import paths, scratchdisk
+from tests.vmconfig import vm_config
 
 from .containerd import CRI_NAMESPACE, shims_of
 from .cri import write_config
@@ -24,6 +27,7 @@ from .test_crictl import container_config, pod_config, wait_for
 from .test_podvm_pods import (configs, crictl, ctd, pod_qemus,  # noqa: F401
                               podvm_leftovers, remove_pod)
 
+DISK_MARK = b"guest-root-was-here"
 ATTACK_SECONDS = 600
 """At most: the attack goes on until the test has done its rounds and says stop."""
 VICTIM_ROUNDS = 2
@@ -34,21 +38,36 @@ VICTIM_ROUNDS = 2
 # 127 characters), the applets from the container's busybox (the guest's PATH has others).
 ESCAPE = r"""
 tools=${0%/escape.sh}
-bb=$tools/../bin/busybox
-read canary seconds < "$tools/args"
+root=${tools%/tools}
+bb=$root/bin/busybox
+read canary seconds disk_mib < "$tools/args"
 share=/run/podvm/shared
-me=
-for d in $share/*/; do [ -e "$d/rootfs/attacker-marker" ] && me=$d; done
-[ -n "$me" ] || exit 1
-echo "root uid=$($bb id -u) sees $($bb ls $share | $bb wc -l) containers" > "$me/rootfs/escaped"
+# the container's own directory in the share: its root's (over a layer in the guest,
+# /run/podvm/rootfs/<id>; else the share's <id>/rootfs itself)
+at=$($bb readlink "$root")
+case "$at" in
+    $share/*/rootfs) me=${at%/rootfs}/ ;;
+    *) me=$share/${at##*/}/ ;;
+esac
+[ -d "$me" ] && [ -e "$root/attacker-marker" ] || exit 1
+echo "root uid=$($bb id -u) sees $($bb ls $share | $bb wc -l) containers" > "$root/escaped"
 let=0 refused=0
 try() {
-    if "$@" 2>/dev/null; then let=$((let+1)); echo "${*#$bb }" >> "$me/rootfs/let"
+    if "$@" 2>/dev/null; then let=$((let+1)); echo "${*#$bb }" >> "$root/let"
     else refused=$((refused+1)); fi
 }
+# the pod's scratch disk, raw: its last MiB is the guest's to write (the test finds the
+# mark in QEMU's own file, never in the blank every pod starts from); past its end, not
+disk=
+for b in /sys/block/*; do
+    [ "$($bb cat "$b/serial" 2>/dev/null)" = podvm-scratch ] && disk=/dev/${b##*/}
+done
+[ -b "$disk" ] || exit 2
+echo "guest-root-was-here" | $bb dd of="$disk" bs=1M seek=$((disk_mib - 1)) conv=notrunc,fsync \
+    2>/dev/null && echo "$disk" > "$root/disk"
 end=$(( $($bb date +%s) + seconds ))
 n=0
-while [ "$($bb date +%s)" -lt "$end" ] && [ ! -e "$me/rootfs/stop" ]; do
+while [ "$($bb date +%s)" -lt "$end" ] && [ ! -e "$root/stop" ]; do
     n=$((n+1))
     for d in $share/*/; do
         [ "$d" = "$me" ] && continue
@@ -65,9 +84,10 @@ while [ "$($bb date +%s)" -lt "$end" ] && [ ! -e "$me/rootfs/stop" ]; do
     try $bb ln -sT "$canary" "$share/next-$n"
     try $bb mkdir "$share/next-$n"
     try $bb dd if=/dev/zero of="$share/fill" bs=64k count=16
-    echo "let=$let refused=$refused rounds=$n" > "$me/rootfs/tally"
+    try $bb dd if=/dev/zero of="$disk" bs=1M seek="$disk_mib" count=1
+    echo "let=$let refused=$refused rounds=$n" > "$root/tally"
 done
-echo "let=$let refused=$refused rounds=$n done=1" > "$me/rootfs/tally"
+echo "let=$let refused=$refused rounds=$n done=1" > "$root/tally"
 """
 
 
@@ -78,7 +98,10 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
         d.mkdir()
     (tools / "escape.sh").write_text(ESCAPE)
     (tools / "escape.sh").chmod(0o755)
-    (tools / "args").write_text(f"{canary} {ATTACK_SECONDS}\n")
+    q = vm_config().qemu  # the pods' configuration (tests/vmconfig.py)
+    (tools / "args").write_text(f"{canary} {ATTACK_SECONDS} {q.scratch_disk_mib}\n")
+    blank = scratchdisk.blank(q)
+    blank_before = _digest(blank)
     pod_file = write_config(configs, "pod-hostile.json", pod_config(
         ctd, configs, "hostile", linux={"cgroup_parent": ctd.cgroup_parent,
                                         "security_context": {"namespace_options":
@@ -102,6 +125,11 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
         crictl.start(attacker_id)
         escaped = _wait_file(crictl, attacker_id, "/escaped", 60)
         assert escaped.startswith("root uid=0 sees"), escaped  # root in the guest
+        # its raw disk: the guest wrote its own unnamed file, not the blank (looked at
+        # before any container goes: the disk is trimmed then, the mark in free space)
+        assert _wait_file(crictl, attacker_id, "/disk", 60).startswith("/dev/vd")
+        assert DISK_MARK in _last_mib_of_the_disk(pod_qemus(pod_id)[0], q.scratch_disk_mib)
+        assert _digest(blank) == blank_before
         victim_ids = [_a_container_with_volumes(crictl, configs, pod_id, pod_file, volume, n)
                       for n in range(1, VICTIM_ROUNDS + 1)]
         assert "done" not in crictl.exec(attacker_id, "cat", "/tally").stdout  # under attack
@@ -112,6 +140,7 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
         assert counts["let"] == "0", (tally, crictl.exec(attacker_id, "cat", "/let").stdout)
         assert int(counts["refused"]) > 100 and int(counts["rounds"]) > 1, tally
         assert list(canary.iterdir()) == []
+        assert _digest(blank) == blank_before
         assert shims and all(_mount_points(pid) for pid in shims), "the pod's shim died"
         for pid in ("self", *shims, *pod_qemus(pod_id)):
             assert [m for m in _mount_points(pid) if m.startswith(str(tmp_path))] == [], pid
@@ -146,6 +175,24 @@ def _a_container_with_volumes(crictl, configs, pod_id, pod_file, volume, n) -> s
     crictl.run("rm", cid)
     assert (volume / "round").read_text() == f"{n}\n"
     return cid
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _last_mib_of_the_disk(qemu: int, size_mib: int) -> bytes:
+    """The start of the last MiB of the pod's scratch disk, read through QEMU's
+    descriptor of its unnamed file."""
+    for fd in os.listdir(f"/proc/{qemu}/fd"):
+        path = f"/proc/{qemu}/fd/{fd}"
+        st = os.stat(path)
+        if st.st_nlink == 0 and st.st_size == size_mib << 20:
+            with open(path, "rb") as f:
+                f.seek((size_mib - 1) << 20)
+                return f.read(4096)
+    raise AssertionError(f"QEMU {qemu} holds no scratch disk")
 
 
 def _wait_file(crictl, cid: str, path: str, timeout: float, last: str = "") -> str:

@@ -206,10 +206,13 @@ def test_a_node_warmed_ahead_restores_its_first_pod_and_each_pod_is_its_own(
             assert date.exit_code == 0, date.stderr
             assert before - 1 <= int(date.stdout) <= after + 1, \
                 f"guest clock {date.stdout.strip()}, host {before:.0f}-{after:.0f}"
-            # Its containers are on the pod's own share (virtio-fs, the default).
+            # Its containers: their images from the pod's own share (virtio-fs, the
+            # default), their writable layers on the pod's own scratch disk.
             mounts = crictl.exec(cid, "cat", "/proc/mounts", timeout=30)
             assert mounts.exit_code == 0, mounts.stderr
-            assert " / virtiofs " in mounts.stdout, mounts.stdout
+            assert " / overlay " in mounts.stdout and \
+                f"lowerdir=/run/podvm/shared/{cid}/rootfs/.,upperdir=/run/podvm/scratch/{cid}/" \
+                in mounts.stdout and " virtiofs " in mounts.stdout, mounts.stdout
             # Both pods woke from the same saved guest, yet each has its own boot id:
             # the kernel draws it at its first read, which no template may make.
             other = run_container(crictl, configs, first, first_file, "tpl-first-c",

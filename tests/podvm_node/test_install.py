@@ -21,6 +21,7 @@ import pytest
 from podvm_node import (bundle, containerd_dropin as dropin, hostcheck, hostfiles, install,
                         nodelabel)
 from podvm_node.containerd_dropin import Refusal
+from shim.config import HypervisorConfig
 from tests.conftest import require_root, require_tool
 from tests.e2e import bridgenet
 from tests.e2e.containerd import PODVM_SNIPPET, REPO_ROOT, Containerd, podvm_runtime_section
@@ -352,13 +353,16 @@ def test_install_runs_a_pod_from_opt_podvm_and_uninstall_leaves_nothing(
     if not bridgenet.missing_prerequisites():
         ctd.network = bridgenet.create(ctd.cni_dir)
         bridgenet.write_conflist(ctd.network, ctd.cni_dir / "net.d")
+    # a scratch path of its own: the bundle's mke2fs makes the blank
     podvm_config = write_test_config(tmp_path / "podvm.toml", enable_template=False,
+                                     scratch_path=str(tmp_path / "scratch"),
                                      kernel=f"{PODVM}/share/podvm/vmlinux",
                                      initrd=f"{PODVM}/share/podvm/initrd.img",
                                      image=f"{PODVM}/share/podvm/rootfs.img").read_text()
     podvm_config = podvm_config.replace("[hypervisor.qemu]\n", (
         f'[hypervisor.qemu]\npath = "{PODVM}/bin/qemu-system-x86_64"\n'
-        f'virtio_fs_daemon = "{PODVM}/libexec/virtiofsd"\n'), 1)
+        f'virtio_fs_daemon = "{PODVM}/libexec/virtiofsd"\n'
+        f'scratch_mke2fs = "{PODVM}/bin/mke2fs"\n'), 1)
     scratch_root(tmp_path, ctd.operator_config(), podvm_config)
     before = snapshot(host)
     lines: list[str] = []
@@ -372,6 +376,8 @@ def test_install_runs_a_pod_from_opt_podvm_and_uninstall_leaves_nothing(
         assert os.readlink(host / "usr/local/bin/containerd-shim-podvm-v2") == \
             f"{PODVM}/bin/containerd-shim-podvm-v2"
         run_pod_from_opt_podvm(ctd, tmp_path)
+        assert [p.name for p in (tmp_path / "scratch").glob("blank-*")] == \
+            [f"blank-{HypervisorConfig.scratch_disk_mib}M.ext4"]
         install.uninstall(str(host), restart=ctd.restart, say=lines.append)
         crictl = Crictl(ctd.cri_endpoint)
         info = crictl.run("info").json()["config"]

@@ -48,6 +48,14 @@ def test_rootfs_and_host_files_come_through_the_shared_directory() -> None:
         ("hosts", "c1/mounts/2-hosts", False), ("resolv.conf", "c1/mounts/3-resolv.conf", True)]
 
 
+def test_a_writable_layer_in_the_guest_lays_the_root_over_the_share() -> None:
+    g = guestspec.rewrite(CRI_CONTAINER, "c1", writable_in_guest=True)
+    assert g.spec["root"] == {"path": "/run/podvm/rootfs/c1", "readonly": True}
+    assert g.rootfs_lower == "/run/podvm/shared/c1/rootfs"
+    assert guestspec.rewrite(CRI_CONTAINER, "c1").rootfs_lower == ""
+    assert g.binds == guestspec.rewrite(CRI_CONTAINER, "c1").binds  # volumes as before
+
+
 def test_host_only_parts_are_dropped_and_said() -> None:
     g = guestspec.rewrite(CRI_CONTAINER, "c1")
     linux = g.spec["linux"]

@@ -26,3 +26,14 @@ def test_a_template_s_nics_have_the_interface_s_macs(tmp_path) -> None:
     line = " ".join(vmm.create(s).command())
     assert template_mac(0) in line and template_mac(1) in line
     assert template_mac(0) != template_mac(1)
+
+
+def test_the_scratch_disk_is_qemu_s_descriptor_found_by_its_serial(tmp_path) -> None:
+    s = dataclasses.replace(spec(tmp_path), scratch_disk="/proc/self/fd/9")
+    line = " ".join(qemu_command.command(s))
+    assert ("driver=file,node-name=scratch,filename=/proc/self/fd/9,cache.direct=on,"
+            "cache.no-flush=on,discard=unmap") in line
+    assert f"virtio-blk-pci,drive=scratch,id=scratch,serial={qemu_command.SCRATCH_SERIAL}" \
+        in line
+    without = dataclasses.replace(spec(tmp_path, scratch_disk_mib=0), scratch_disk="")
+    assert "virtio-blk" not in " ".join(qemu_command.command(without))

@@ -320,9 +320,10 @@ def test_the_plan_binds_the_paths_qemu_is_given_and_nothing_twice(tmp_path) -> N
 
 async def test_without_proc_self_the_guest_cannot_create_a_file(tmp_path, monkeypatch) -> None:
     """Why the jail has /proc/self: QEMU's 9p server sets a new file's mode through
-    /proc/self/fd, and without it every create fails (the guest sees ENOENT)."""
+    /proc/self/fd, and without it every create fails (the guest sees ENOENT). No scratch
+    disk: QEMU opens it by a /proc/self/fd path too, and would not start."""
     monkeypatch.setattr(jail.Jail, "_proc_self", lambda self: None)
-    s = spec(tmp_path, boot_timeout=120, shared_fs="virtio-9p")
+    s = spec(tmp_path, boot_timeout=120, shared_fs="virtio-9p", scratch_disk_mib=0)
     vm = QemuVM(dataclasses.replace(s, hypervisor=dataclasses.replace(
         s.hypervisor, initrd=probe_initrd(tmp_path))))
     with pytest.raises(HypervisorError, match="exited with status 0"):

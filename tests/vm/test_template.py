@@ -67,6 +67,19 @@ def test_pods_of_one_shape_share_a_key_and_other_shapes_do_not(tmp_path) -> None
     assert templates.of(files_spec(tmp_path, nics=(nic(0, "0a:00:00:00:00:01"),))).key != one.key
 
 
+def test_the_scratch_disk_s_size_and_blank_are_in_the_key_a_pod_s_disk_is_not(
+        tmp_path) -> None:
+    one = templates.of(files_spec(tmp_path, scratch_disk="/proc/self/fd/7"))
+    assert templates.of(files_spec(tmp_path, scratch_disk="/proc/self/fd/9")).key == one.key
+    assert one.inputs["scratch"][0].endswith("-scratch/blank-10240M.ext4")
+    q = files_spec(tmp_path).hypervisor
+    for other in (dataclasses.replace(q, scratch_disk_mib=0),
+                  dataclasses.replace(q, scratch_disk_mib=4096)):
+        assert templates.of(files_spec(tmp_path, hypervisor=other)).key != one.key
+    os.unlink(one.inputs["scratch"][0])  # a new blank: the guest read the old one's blocks
+    assert templates.of(files_spec(tmp_path)).key != one.key
+
+
 @pytest.mark.parametrize("vcpus, memory, base", [
     (1, 256, (1, 256)),               # the default size: its own shape
     (2, 256 + 3 * 128, (1, 256)),     # vCPUs and whole blocks are hot-plugged after
@@ -205,7 +218,10 @@ def test_a_state_is_read_whole_and_checked(tmp_path) -> None:
 
 def vm_spec(tmp_path: pathlib.Path, name: str, **changes) -> VMSpec:
     require_root()
-    cfg = vm_config(template_path=str(tmp_path / "store"))
+    # the run's scratch blank, whose identity is in the key: one for the made template
+    # and the pods of every test that restore it
+    cfg = vm_config(template_path=str(tmp_path / "store"),
+                    scratch_path=vm_config().qemu.scratch_path)
     (tmp_path / name / "shared").mkdir(parents=True, exist_ok=True)
     spec = VMSpec(sandbox_id=name, workdir=str(tmp_path / name / "vm"),
                   shared_dir=str(tmp_path / name / "shared"), vcpus=1, max_vcpus=2,
