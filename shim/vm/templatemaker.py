@@ -223,7 +223,8 @@ async def warm(q: HypervisorConfig, shapes: list[Shape],
     with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
         for shape in shapes:
             spec = spec_of(q, shape, os.path.join(work, f"{shape.vcpus}-{shape.memory_mib}"))
-            os.mkdir(spec.shared_dir)  # 9p exports it (empty: a template mounts no share)
+            # 9p exports it (empty: a template mounts no share); shapes of one size share it
+            os.makedirs(spec.shared_dir, exist_ok=True)
             deadline = asyncio.get_running_loop().time() + wait_s
             outcome = await make(spec)
             while outcome.result is Result.BUSY and \

@@ -131,5 +131,7 @@ def test_warm_gives_the_template_vm_an_empty_share_to_export(tmp_path, monkeypat
         return templatemaker.Outcome(templatemaker.Result.MADE, "made")
 
     monkeypatch.setattr(templatemaker, "make", make)
-    outcome, = asyncio.run(templatemaker.warm(q, [templatemaker.default_shape(q)]))
-    assert outcome.result is templatemaker.Result.MADE and seen == [(True, [])]
+    shapes = [templatemaker.Shape.parse(s) for s in ("1:256:1", "1:256:0")]  # one size
+    outcomes = asyncio.run(templatemaker.warm(q, shapes))
+    assert [o.result for o in outcomes] == [templatemaker.Result.MADE] * 2
+    assert seen == [(True, [])] * 2
