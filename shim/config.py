@@ -74,7 +74,7 @@ class HypervisorConfig:
     """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
     scratch_disk_mib: int = 10240
     """The pod's scratch disk (a virtio-blk disk of this size, sparse on the host, gone
-    with the pod; shim/host/scratchdisk.py): every container's writable layer is there,
+    with the pod; shim/vm/scratchdisk.py): every container's writable layer is there,
     an overlay in the guest over its image from the share. 0: no disk, the writable
     layer is the host's (containerd's snapshot) and every file operation crosses the
     share."""

@@ -1,6 +1,6 @@
 """A container's writable layer in the guest: its root is an overlay the agent makes, of
 its image in the pod's share (read only to it) under an upper directory of its own on
-the pod's scratch disk (shim/host/scratchdisk.py). Creating, changing, renaming and
+the pod's scratch disk (shim/vm/scratchdisk.py). Creating, changing, renaming and
 removing files then never leaves the guest: no request crosses to the host's file
 server, and the layer has ext4's semantics (locks, sockets, FIFOs, xattrs, nanosecond
 times). What a container reads of its image still comes from the share.

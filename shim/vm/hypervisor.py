@@ -79,7 +79,7 @@ class VMSpec:
     """The file that backs the guest's RAM (shared, so that virtiofsd can map it): a
     template's memory, or the restored copy of it; "" for a memfd of QEMU's own."""
     scratch_disk: str = ""
-    """The file QEMU opens as the pod's scratch disk (shim/host/scratchdisk.py): at
+    """The file QEMU opens as the pod's scratch disk (shim/vm/scratchdisk.py): at
     launch, the descriptor of an unnamed copy of the blank file system; "" for none
     (scratch_disk_mib = 0, or a VM that is only planned)."""
 

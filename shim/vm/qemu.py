@@ -16,10 +16,10 @@ from typing import Callable
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
-from ..host import scratchdisk
 from ..host.libc import last_errno, libc
 from ..host.processes import peek_exit
-from . import jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state
+from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
+               scratchdisk)
 from .console import ConsoleLog
 from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, SavedVM, ThreadRole, VM,
                          VMExited, VMSpec)

@@ -49,11 +49,10 @@ import os
 import time
 from typing import Callable
 
-from ..host import scratchdisk
 from ..host.cleanup import remove_tree
 from ..network.model import PlaceholderNic
 from ..resources.update import MEMORY_BLOCK_MIB
-from . import memcopy, stateload, templatestore, vmm
+from . import memcopy, scratchdisk, stateload, templatestore, vmm
 from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
 
 log = logging.getLogger("podvm.template")

@@ -1,4 +1,4 @@
-"""The pod's scratch disk on the host (shim/host/scratchdisk.py): a blank ext4 made once
+"""The pod's scratch disk on the host (shim/vm/scratchdisk.py): a blank ext4 made once
 per size, and per pod an unnamed copy of it that no path leads to, holding nothing of
 another pod's disk, with its holes kept."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from shim.config import HypervisorConfig
-from shim.host import scratchdisk
+from shim.vm import scratchdisk
 from tests.conftest import require_tool
 
 MIB = 64

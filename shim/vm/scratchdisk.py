@@ -1,4 +1,4 @@
-"""The pod's scratch disk on the host: where its containers' writable layers live, as an
+"""The pod's scratch disk, the file on the host behind it: where its containers' writable layers live, as an
 ext4 file system the guest mounts (guest/agent/writable.py), so that creating, changing
 and removing files never leaves the guest.
 
@@ -18,6 +18,7 @@ import os
 import subprocess
 
 from ..config import HypervisorConfig
+from .memcopy import extents
 
 LABEL = "podvm-scratch"
 # No journal (the disk dies with the pod: there is nothing to recover after a crash);
@@ -102,7 +103,7 @@ def open_disk(blank_path: str) -> int:
         source = os.open(blank_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(source).st_size
-            _copy_data(source, fd, size)
+            _copy_data(source, fd)
         finally:
             os.close(source)
         os.ftruncate(fd, size)
@@ -113,22 +114,13 @@ def open_disk(blank_path: str) -> int:
     return fd
 
 
-def _copy_data(source: int, target: int, size: int) -> None:
+def _copy_data(source: int, target: int) -> None:
     """Only the extents that hold data (a few MiB of the blank's metadata); the holes
     stay holes."""
-    offset = 0
-    while offset < size:
-        try:
-            start = os.lseek(source, offset, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # no data after offset
-                return
-            raise
-        end = os.lseek(source, start, os.SEEK_HOLE)
-        position = start
+    for start, length in extents(source):
+        position, end = start, start + length
         while position < end:
             copied = os.copy_file_range(source, target, end - position, position, position)
             if copied == 0:
                 raise OSError(errno.EIO, "short copy")
             position += copied
-        offset = end
