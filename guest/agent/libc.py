@@ -8,8 +8,6 @@ import os
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
-MS_NOSUID = 0x2
-MS_NODEV = 0x4
 MS_NOATIME = 0x400
 MNT_DETACH = 0x2
 LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
