@@ -7,7 +7,6 @@ Real containerd, QEMU under TCG and the guest image; runs with the real crictl t
 CRICTL=/path/to/crictl."""
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 
@@ -18,7 +17,8 @@ from tests.conftest import require_tool
 
 from .cri import write_config
 from .test_crictl import container_config, pod_config
-from .test_podvm_pods import configs, crictl, ctd, pod_qemus, remove_pod  # noqa: F401
+from .test_podvm_pods import (configs, crictl, ctd, pod_qemus, remove_pod,  # noqa: F401
+                             scratch_disk)
 
 PROBE_SOURCE = pathlib.Path(__file__).with_name("fsprobe.c")
 ROOT_DIR = "/probe-root-dir"  # made with mkdir in the container's root fs, by run_probe
@@ -166,13 +166,7 @@ def test_each_container_writes_a_layer_of_its_own_in_the_guest(
         assert other.exit_code == 0 and other.stdout.startswith("root:"), other
         snapshots = ctd.root.glob(f"io.containerd.snapshotter.v1.*/snapshots/*/fs/{marker}")
         assert list(snapshots) == [], "the container's write reached the host's snapshot"
-        qemu = pod_qemus(pod_id)[0]
-        held = [os.stat(f"/proc/{qemu}/fd/{fd}") for fd in os.listdir(f"/proc/{qemu}/fd")
-                if os.readlink(f"/proc/{qemu}/fd/{fd}").endswith(" (deleted)")]
-        disks = {(st.st_dev, st.st_ino): st for st in held
-                 if st.st_size == HypervisorConfig.scratch_disk_mib << 20}
-        assert len(disks) == 1, held  # its own (the descriptor given, and QEMU's O_DIRECT one)
-        assert [st.st_nlink for st in disks.values()] == [0]
+        scratch_disk(pod_qemus(pod_id)[0], HypervisorConfig.scratch_disk_mib)
         crictl.run("stop", "-t", "0", first)
         crictl.run("rm", first)
         again = started("first", "true")

@@ -14,18 +14,18 @@ nothing is left when the pod goes."""
 from __future__ import annotations
 
 import hashlib
-import os
 import pathlib
 import time
 
-from shim.host import paths, scratchdisk
+from shim.host import paths
+from shim.vm import scratchdisk
 from tests.vmconfig import vm_config
 
 from .containerd import CRI_NAMESPACE, shims_of
 from .cri import write_config
 from .test_crictl import container_config, pod_config, wait_for
 from .test_podvm_pods import (configs, crictl, ctd, pod_qemus,  # noqa: F401
-                              podvm_leftovers, remove_pod)
+                              podvm_leftovers, remove_pod, scratch_disk)
 
 DISK_MARK = b"guest-root-was-here"
 ATTACK_SECONDS = 600
@@ -185,14 +185,9 @@ def _digest(path: str) -> str:
 def _last_mib_of_the_disk(qemu: int, size_mib: int) -> bytes:
     """The start of the last MiB of the pod's scratch disk, read through QEMU's
     descriptor of its unnamed file."""
-    for fd in os.listdir(f"/proc/{qemu}/fd"):
-        path = f"/proc/{qemu}/fd/{fd}"
-        st = os.stat(path)
-        if st.st_nlink == 0 and st.st_size == size_mib << 20:
-            with open(path, "rb") as f:
-                f.seek((size_mib - 1) << 20)
-                return f.read(4096)
-    raise AssertionError(f"QEMU {qemu} holds no scratch disk")
+    with open(scratch_disk(qemu, size_mib), "rb") as f:
+        f.seek((size_mib - 1) << 20)
+        return f.read(4096)
 
 
 def _wait_file(crictl, cid: str, path: str, timeout: float, last: str = "") -> str:

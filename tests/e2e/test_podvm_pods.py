@@ -52,6 +52,20 @@ def pod_qemus(pod_id: str) -> list[int]:
     return [pid for pid in qemus() if pod_id.encode() in _cmdline(pid)]
 
 
+def scratch_disk(qemu: int, size_mib: int) -> str:
+    """The /proc path of the pod's scratch disk in `qemu`'s descriptors: the one unnamed
+    file of `size_mib` it holds (by the descriptor it was given and by its own O_DIRECT
+    one, both the same file)."""
+    held = {}
+    for fd in os.listdir(f"/proc/{qemu}/fd"):
+        path = f"/proc/{qemu}/fd/{fd}"
+        st = os.stat(path)
+        if st.st_nlink == 0 and st.st_size == size_mib << 20:
+            held[(st.st_dev, st.st_ino)] = path
+    assert len(held) == 1, f"QEMU {qemu} holds {len(held)} unnamed disks of {size_mib} MiB"
+    return next(iter(held.values()))
+
+
 def pod_file_servers(pod_id: str) -> list[int]:
     return processes_of("virtiofsd", pod_id)
 
