@@ -1,19 +1,22 @@
 """File-operation speed in a pod, podvm against runc (issue 29), on one private
 containerd: tests/e2e/fsprobe.c's `speed` (create, stat and unlink N files of 4 KiB;
-64 MiB written and fsynced, then read back) in a directory of the container's root fs and
-in a read-write hostPath volume, and busybox tar extracting 10,000 small files into the
-root fs (and removing them), timed in the container with busybox adjtimex as
-bench/net_bench.py does (busybox date has no %N).
+64 MiB written and fsynced, then read back) in a directory of the container's root fs,
+in a read-write hostPath volume and in an emptyDir (a directory shaped as kubelet makes
+one), and busybox tar extracting 10,000 small files into the root fs (and removing
+them), timed in the container with busybox adjtimex as bench/net_bench.py does (busybox
+date has no %N).
 
 A SQLite loop is left out: Debian ships no static sqlite3 the busybox image could run.
 
 `--shared-fs virtio-9p` measures podvm's fallback (its old default) instead;
 `--scratch-disk-mib 0`, podvm without a scratch disk (the containers' writable layers on
-the host, every file operation over the share, as before the scratch disk).
+the host, every file operation over the share, as before the scratch disk);
+`--host-empty-dir`, podvm with `disable_guest_empty_dir` (emptyDirs shared from the host
+as hostPath volumes are, as before they were the guest's).
 
 usage: python bench/fs_bench.py [--files N] [--tar-files M] [--accel tcg|kvm]
                                 [--runtime-only podvm|runc] [--shared-fs virtio-fs|virtio-9p]
-                                [--scratch-disk-mib MIB] [--json FILE]
+                                [--scratch-disk-mib MIB] [--host-empty-dir] [--json FILE]
 """
 from __future__ import annotations
 
@@ -36,11 +39,15 @@ from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import pod_network_config  # noqa: E402
 from tests.e2e.test_crictl import container_config  # noqa: E402
 from tests.e2e.test_file_semantics import build_probe  # noqa: E402
+from tests.kubeletdirs import volume_dir  # noqa: E402
 from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 RUNTIMES = ("runc", "podvm")
 ROOT_DIR = "/bench"  # in the container's root fs
 VOLUME = "/vol"
+EMPTY_DIR = "/empty"
+PLACES = {"rootfs": (ROOT_DIR, "root fs"), "volume": (VOLUME, "hostPath volume"),
+          "emptydir": (EMPTY_DIR, "emptyDir")}
 TOOLS = "/probe"  # fsprobe and the tar, read-only
 SPEED_OPS = ("create", "stat", "unlink", "write64", "read64")
 
@@ -69,6 +76,8 @@ class Bench:
                  tools: pathlib.Path, files: int) -> None:
         self.ctd, self.crictl, self.work, self.tools = ctd, crictl, work, tools
         self.files = files
+        self.kubelet = work / "kubelet"
+        """kubelet's root, for the emptyDirs: on a disk (work is not a tmpfs)."""
 
     def shell(self, cid: str, script: str, deadline: int = 900) -> str:
         r = self.crictl.run("exec", "-s", "--timeout", str(deadline), cid, "sh", "-c",
@@ -78,7 +87,8 @@ class Bench:
                                f"{r.stderr.strip()[-600:]}{r.stdout.strip()[-600:]}")
         return r.stdout
 
-    def pod(self, runtime: str, volume: pathlib.Path) -> tuple[str, str]:
+    def pod(self, runtime: str, volume: pathlib.Path,
+            empty_dir: pathlib.Path) -> tuple[str, str]:
         name = f"fs-{runtime}"
         pod_file = write_config(self.work, f"pod-{name}.json",
                                 pod_network_config(self.ctd, self.work, name))
@@ -86,7 +96,8 @@ class Bench:
         config = dict(container_config(name, "exec sleep 3600"),
                       mounts=[{"container_path": TOOLS, "host_path": str(self.tools),
                                "readonly": True},
-                              {"container_path": VOLUME, "host_path": str(volume)}])
+                              {"container_path": VOLUME, "host_path": str(volume)},
+                              {"container_path": EMPTY_DIR, "host_path": str(empty_dir)}])
         try:
             cid = self.crictl.create(pod_id, write_config(self.work, f"{name}-c.json", config),
                                      pod_file)
@@ -108,10 +119,11 @@ class Bench:
         started = time.monotonic()
         volume = self.work / f"volume-{runtime}"
         volume.mkdir()
-        pod_id, cid = self.pod(runtime, volume)
+        empty_dir = volume_dir(self.kubelet, f"empty-{runtime}")
+        pod_id, cid = self.pod(runtime, volume, empty_dir)
         figures: dict[str, float] = {}
         try:
-            for place, path in (("rootfs", ROOT_DIR), ("volume", VOLUME)):
+            for place, (path, _) in PLACES.items():
                 out = self.shell(cid, f"mkdir -p {path} && "
                                       f"{TOOLS}/fsprobe speed {path} {self.files}")
                 figures.update({f"{op} {place}": s for op, s in parse_speed(out).items()})
@@ -130,7 +142,7 @@ class Bench:
 def rows(files: int, tar_files: int) -> list[tuple[str, str]]:
     """(label, figure key) in the table's order."""
     found = []
-    for place, where in (("rootfs", "root fs"), ("volume", "volume")):
+    for place, (_, where) in PLACES.items():
         found += [(f"create {files} files of 4 KiB, {where}", f"create {place}"),
                   (f"stat {files} files, {where}", f"stat {place}"),
                   (f"unlink {files} files, {where}", f"unlink {place}"),
@@ -157,7 +169,8 @@ def table(results: dict[str, dict[str, float]], files: int, tar_files: int) -> l
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="podvm-fs-bench-") as tmp:
+    # in /var/tmp: a tmpfs' emptyDir would be one of medium Memory, which stays the host's
+    with tempfile.TemporaryDirectory(prefix="podvm-fs-bench-", dir="/var/tmp") as tmp:
         work = pathlib.Path(tmp)
         tools = work / "tools"
         tools.mkdir()
@@ -166,7 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         config = write_test_config(work / "podvm.toml", accel=args.accel,
                                    template_path=str(work / "templates"),
                                    shared_fs=args.shared_fs,
-                                   scratch_disk_mib=args.scratch_disk_mib)
+                                   scratch_disk_mib=args.scratch_disk_mib,
+                                   runtime={"disable_guest_empty_dir": args.host_empty_dir})
         warm_templates(config)
         ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
                          podvm_config=config)
@@ -196,6 +210,8 @@ def main() -> int:
                         default=HypervisorConfig.scratch_disk_mib,
                         help="podvm's scratch disk (default %(default)s; 0: the writable "
                              "layers on the host)")
+    parser.add_argument("--host-empty-dir", action="store_true",
+                        help="podvm shares emptyDirs from the host (disable_guest_empty_dir)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
     if args.files < 1 or args.tar_files < 1:
@@ -206,7 +222,8 @@ def main() -> int:
     results = run(args)
     print()
     print(f"machine: {machine(args.accel)}; podvm's shared_fs {args.shared_fs}, "
-          f"scratch_disk_mib {args.scratch_disk_mib}; load "
+          f"scratch_disk_mib {args.scratch_disk_mib}, disable_guest_empty_dir "
+          f"{str(args.host_empty_dir).lower()}; load "
           f"average {load_before} before, {loadavg()} after")
     print("\n".join(table(results, args.files, args.tar_files)))
     print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "

@@ -104,6 +104,11 @@ class RuntimeConfig:
     """Host CPUs never given to a pod in exclusive mode (kubelet's reserved-cpus)."""
     overhead_cpus: str = ""
     """Host CPUs for QEMU's threads other than vCPUs (vmm/); empty: the vCPUs' CPUs."""
+    disable_guest_empty_dir: bool = False
+    """Kata's key. false: a pod's emptyDir volumes on a disk are the guest's own, on its
+    scratch disk (shim/host/emptydir.py), as fast as the containers' roots; true: they
+    are the host's directories kubelet made, shared like any host volume (kubelet then
+    sees what they hold). Without a scratch disk they are always the host's."""
     allowed_vm_wide_sysctls: tuple[str, ...] = ()
     """Pod sysctls no namespace holds that a pod may still set, for its whole VM: names,
     or prefixes ending in '*' (shim/pod/sysctls.py)."""

@@ -150,6 +150,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/host/libc.py",
      "ctypes"):
         "the first call, not every module that names libc()",
+    ("shim/host/emptydir.py",
+     "shim.host.mountns"):
+        "a container with an emptyDir only: the idle daemon has no use for it",
     ("shim/host/mounts.py",
      "shim.host.mountns"):
         "a bind from the pod's namespace only: the idle daemon has no use for it",

@@ -18,7 +18,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # resume: loaded at the start, so that it is in every template's memory and no
 # restored guest imports it (under TCG an import on the restore path costs 0.1 s)
-from . import containers, holder, libc, network, oci, resources, resume, runc, writable
+from . import (containers, holder, libc, network, oci, resources, resume, runc, volumes,
+               writable)
 from .containers import Container
 from .oom import OOMKills
 
@@ -123,6 +124,7 @@ class AgentService:
             self.containers[req.container_id] = container
             return pb.CreateContainerResponse(pid=container.init.pid)
         root = (spec.get("root") or {}).get("path", "")
+        volumes.make(req.local_dirs)
         if req.rootfs_lower:  # its writable layer on the scratch disk
             writable.make(req.container_id, req.rootfs_lower, root)
         elif not os.path.isdir(root):

@@ -6,7 +6,8 @@ server, and the layer has ext4's semantics (locks, sockets, FIFOs, xattrs, nanos
 times). What a container reads of its image still comes from the share.
 
 The disk is found by its serial (shim/vm/qemu_command.py SCRATCH_SERIAL), mounted at
-the first container that needs it; a container's layer goes with the container."""
+the first container that needs it; a container's layer (under LAYERS) goes with the
+container. The pod's own volumes are on the disk too (volumes.py)."""
 from __future__ import annotations
 
 import fcntl
@@ -19,6 +20,7 @@ from podvm_core.ttrpc import Code, TtrpcError
 from . import libc
 
 SCRATCH = "/run/podvm/scratch"
+LAYERS = f"{SCRATCH}/layers"
 SERIAL = "podvm-scratch"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 """A container id that is one path component (containerd's are narrower still)."""
@@ -44,7 +46,8 @@ def scratch_device(sys_block: str = "/sys/block") -> str:
                      f"serial {SERIAL}) is not in the guest")
 
 
-def _mount_scratch() -> None:
+def mount_scratch() -> None:
+    """The scratch disk mounted at SCRATCH (once)."""
     if os.path.ismount(SCRATCH):
         return
     os.makedirs(SCRATCH, mode=0o700, exist_ok=True)
@@ -59,7 +62,7 @@ def layer_dir(container_id: str) -> str:
     if not _ID.fullmatch(container_id):
         raise TtrpcError(Code.INVALID_ARGUMENT, f"container id {container_id!r}: not one "
                          f"path component of letters, digits, '_', '.' and '-'")
-    return os.path.join(SCRATCH, container_id)
+    return os.path.join(LAYERS, container_id)
 
 
 def make(container_id: str, lower: str, root: str) -> None:
@@ -69,7 +72,7 @@ def make(container_id: str, lower: str, root: str) -> None:
     if not os.path.isdir(lower):
         raise TtrpcError(Code.INVALID_ARGUMENT,
                          f"container {container_id}: image {lower!r} is not shared")
-    _mount_scratch()
+    mount_scratch()
     _remove_tree(layer)
     upper, work = os.path.join(layer, "upper"), os.path.join(layer, "work")
     try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from podvm_core.ttrpc import TtrpcError
 
+from ..host import emptydir
 from ..resources.model import from_linux_resources
 from ..vm import guestspec
 from ..vm.stdio import ProcessIO, Stdio
@@ -21,6 +22,7 @@ from .podfiles import with_mounts
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
 
+    from ..config import Config
     from ..host.mounts import Mount
     from ..vm.agent import Agent
     from ..vm.hypervisor import HypervisorError
@@ -33,6 +35,7 @@ class PodContainers:
     """The Pod's containers and their processes (a part of Pod: its state is the Pod's)."""
 
     id: str
+    config: Config
     machine: Machine | None
     gone: HypervisorError | None
     placed: set[str]
@@ -68,17 +71,24 @@ class PodContainers:
             except StaticRefusal:
                 await self.apply(container_id, None, quiet=True)  # no container: none kept
                 raise
-        guest = guestspec.rewrite(with_mounts(spec, self.files), container_id,
-                                  self.guest_cpus(container_id),
-                                  writable_in_guest=self.machine.has_scratch_disk and
-                                  not pod_holder)
+        in_guest = self.machine.has_scratch_disk and not pod_holder
+        try:
+            guest = guestspec.rewrite(
+                with_mounts(spec, self.files), container_id, self.guest_cpus(container_id),
+                writable_in_guest=in_guest, local_dirs=emptydir.local_dirs if in_guest and
+                not self.config.runtime.disable_guest_empty_dir else None)
+        except (OSError, ValueError) as exc:
+            if not owns_vm:
+                await self.apply(container_id, None, quiet=True)
+            raise Refused(f"container {container_id}: {exc}") from None
         for what in guest.dropped:
             log.info("container %s: left out %s", container_id, what)
         try:
             self.machine.share_container(container_id, bundle, rootfs, guest.binds)
             await self._agent().create_container(
                 container_id, json.dumps(guest.spec).encode(), stdio, sandbox=owns_vm,
-                pod_holder=pod_holder, rootfs_lower=guest.rootfs_lower)
+                pod_holder=pod_holder, rootfs_lower=guest.rootfs_lower,
+                local_dirs=guest.local_dirs)
         except BaseException as exc:
             await self._undo_add(container_id, owns_vm)
             if isinstance(exc, OSError):

@@ -29,6 +29,9 @@ from podvm_core.ttrpc import Client, Code, ConnectionClosed, TtrpcError
 from .stdio import Stdio
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ..host.emptydir import LocalDir
     from .hypervisor import VM
     from ..network.model import PodNetwork
 
@@ -127,11 +130,14 @@ class Agent:
 
     async def create_container(self, container_id: str, spec_json: bytes, stdio: Stdio,
                                sandbox: bool, pod_holder: bool = False,
-                               rootfs_lower: str = "") -> int:
-        req = pb.CreateContainerRequest(container_id=container_id, spec_json=spec_json,
-                                        stdio=stdio.message(), sandbox=sandbox,
-                                        sandbox_id=self._sandbox_id, pod_holder=pod_holder,
-                                        rootfs_lower=rootfs_lower)
+                               rootfs_lower: str = "",
+                               local_dirs: Sequence[LocalDir] = ()) -> int:
+        req = pb.CreateContainerRequest(
+            container_id=container_id, spec_json=spec_json, stdio=stdio.message(),
+            sandbox=sandbox, sandbox_id=self._sandbox_id, pod_holder=pod_holder,
+            rootfs_lower=rootfs_lower,
+            local_dirs=[pb.LocalDir(path=d.path, mode=d.mode, uid=d.uid, gid=d.gid)
+                        for d in local_dirs])
         return (await self._call("CreateContainer", req, pb.CreateContainerResponse,
                                  SETUP)).pid
 

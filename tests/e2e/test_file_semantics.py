@@ -1,7 +1,9 @@
 """File semantics ordinary programs rely on (issue 29), podvm held to runc through
 containerd's CRI: tests/e2e/fsprobe.c runs every case in a directory of the container's
-root fs and in a read-write hostPath volume, in a runc pod (the reference: every case
-must pass there) and in a podvm pod (every case that passes on runc must pass there).
+root fs, in a read-write hostPath volume and in an emptyDir (a directory shaped as
+kubelet makes one: on podvm the guest's own, shim/host/emptydir.py), in a runc pod (the
+reference: every case must pass there) and in a podvm pod (every case that passes on
+runc must pass there). And the emptyDir as the pod's containers share it.
 
 Real containerd, QEMU under TCG and the guest image; runs with the real crictl too:
 CRICTL=/path/to/crictl."""
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import tempfile
 
 import pytest
 
 from shim.config import HypervisorConfig
 from tests.conftest import require_tool
+from tests.kubeletdirs import binds, kubelet_root, subpath_target, volume_dir  # noqa: F401
 
 from .cri import write_config
 from .test_crictl import container_config, pod_config
@@ -23,16 +27,18 @@ from .test_podvm_pods import (configs, crictl, ctd, pod_qemus, remove_pod,  # no
 PROBE_SOURCE = pathlib.Path(__file__).with_name("fsprobe.c")
 ROOT_DIR = "/probe-root-dir"  # made with mkdir in the container's root fs, by run_probe
 VOLUME = "/vol"
-PLACES = {"rootfs": ROOT_DIR, "volume": VOLUME}
+EMPTY_DIR = "/empty"
+PLACES = {"rootfs": ROOT_DIR, "volume": VOLUME, "emptydir": EMPTY_DIR}
 CASES = 16  # fsprobe's, each one line
 # Cases runc itself cannot pass here, with why; none today.
 NOT_ON_RUNC: dict[str, str] = {}
-# Cases podvm fails where runc passes, with why: each must still fail as said (remove it
-# from here when it passes), every other case must pass.
+# Cases podvm fails where runc passes, in those places, with why: each must still fail
+# there as said (remove it from here when it passes), every other case must pass.
 KNOWN_GAPS = {
-    "o_tmpfile": ("Operation not supported", "the guest kernel (Linux 6.1) has no tmpfile "
-                  "operation in overlayfs (the root: 6.6 added it) nor in FUSE over QEMU "
-                  "7.2's virtiofsd (volumes); glibc's tmpfile() falls back"),
+    "o_tmpfile": (("rootfs", "volume"), "Operation not supported",
+                  "the guest kernel (Linux 6.1) has no tmpfile operation in overlayfs (the "
+                  "root: 6.6 added it) nor in FUSE over QEMU 7.2's virtiofsd (volumes); "
+                  "glibc's tmpfile() falls back"),
 }
 
 
@@ -53,12 +59,15 @@ def probe_dir(tmp_path_factory) -> pathlib.Path:
     return directory
 
 
-def probe_container(name: str, probe_dir: pathlib.Path, volume: pathlib.Path) -> dict:
-    """A container with fsprobe at /probe (read-only) and `volume` at VOLUME."""
+def probe_container(name: str, probe_dir: pathlib.Path, volume: pathlib.Path,
+                    empty_dir: pathlib.Path) -> dict:
+    """A container with fsprobe at /probe (read-only), `volume` at VOLUME and
+    `empty_dir` at EMPTY_DIR."""
     return dict(container_config(name, "exec sleep 3600"),
                 mounts=[{"container_path": "/probe", "host_path": str(probe_dir),
                          "readonly": True},
-                        {"container_path": VOLUME, "host_path": str(volume)}])
+                        {"container_path": VOLUME, "host_path": str(volume)},
+                        {"container_path": EMPTY_DIR, "host_path": str(empty_dir)}])
 
 
 def run_probe(crictl, cid: str, *args: str, deadline: int = 150) -> str:  # noqa: F811
@@ -89,15 +98,19 @@ def probe_pod(ctd, crictl, configs, probe_dir, tmp_path_factory,  # noqa: F811
     volume = tmp_path_factory.mktemp(f"fsprobe-vol-{runtime}")
     name = f"fs-{runtime}"
     pod_file = write_config(configs, f"pod-{name}.json", pod_config(ctd, configs, name))
-    pod_id = crictl.runp(pod_file, runtime=None if runtime == "runc" else runtime)
-    try:
-        cfile = write_config(configs, f"{name}-c.json", probe_container(name, probe_dir, volume))
-        cid = crictl.create(pod_id, cfile, pod_file)
-        crictl.start(cid)
-        found = {place: cases(run_probe(crictl, cid, "semantics", path))
-                 for place, path in PLACES.items()}
-    finally:
-        remove_pod(crictl, pod_id)
+    with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="podvm-kubelet-") as root:
+        empty_dir = volume_dir(pathlib.Path(root), "scratch")
+        pod_id = crictl.runp(pod_file, runtime=None if runtime == "runc" else runtime)
+        try:
+            cfile = write_config(configs, f"{name}-c.json",
+                                 probe_container(name, probe_dir, volume, empty_dir))
+            cid = crictl.create(pod_id, cfile, pod_file)
+            crictl.start(cid)
+            found = {place: cases(run_probe(crictl, cid, "semantics", path))
+                     for place, path in PLACES.items()}
+        finally:
+            remove_pod(crictl, pod_id)
+        assert list(empty_dir.iterdir()) == [], "fsprobe left files in the emptyDir"
     assert list(volume.iterdir()) == [], "fsprobe left files in the volume"
     return found
 
@@ -131,14 +144,15 @@ def test_every_case_passes_on_runc(runc_cases, place) -> None:
 
 @pytest.mark.parametrize("place", PLACES)
 def test_podvm_passes_every_case_runc_passes(runc_cases, podvm_cases, place) -> None:
+    gaps = {case: gap for case, gap in KNOWN_GAPS.items() if place in gap[0]}
     required = [case for case, line in runc_cases[place].items()
-                if line.startswith("ok ") and case not in KNOWN_GAPS]
+                if line.startswith("ok ") and case not in gaps]
     got = podvm_cases[place]
     failed = [got.get(case, f"MISSING {case}: fsprobe printed no line")
               for case in required if not got.get(case, "").startswith("ok ")]
     assert failed == [], (f"{len(failed)} of {len(required)} cases fail on podvm in the "
                           f"{place} ({PLACES[place]}):\n" + "\n".join(failed))
-    for case, (said, why) in KNOWN_GAPS.items():
+    for case, (_, said, why) in gaps.items():
         assert got[case].startswith("FAIL ") and said in got[case], (case, got[case], why)
 
 
@@ -172,5 +186,49 @@ def test_each_container_writes_a_layer_of_its_own_in_the_guest(
         again = started("first", "true")
         fresh = crictl.exec(again, "sh", "-c", f"ls /{marker} || tail -n 1 /etc/passwd")
         assert fresh.exit_code == 0 and fresh.stdout.startswith("root:"), fresh
+    finally:
+        remove_pod(crictl, pod_id)
+
+
+def test_an_empty_dir_is_the_pod_s_own_in_the_guest(
+        ctd, crictl, configs, kubelet_root, binds) -> None:  # noqa: F811
+    """An emptyDir kubelet made on a disk is on the pod's scratch disk: what a container
+    writes there its pod's other containers see, through the volume and through a
+    subPath of it (kubelet's bind on the host, found by the directory it binds); it has
+    kubelet's owner and mode; nothing of it reaches the host's directory. A link one
+    container puts where another's subPath goes refuses that container: it is not
+    followed to the guest's /etc."""
+    volume = volume_dir(kubelet_root, "cache", 0o2777, 1234)  # a pod with fsGroup 1234
+    pod_file = write_config(configs, "pod-emptydir.json", pod_config(ctd, configs, "emptydir"))
+    pod_id = crictl.runp(pod_file, runtime="podvm")
+
+    def started(name: str, path: str, source: pathlib.Path, check: bool = True):
+        """The container's id; or with check=False, what its start said."""
+        config = dict(container_config(name, "exec sleep 1000"),
+                      mounts=[{"container_path": path, "host_path": str(source)}])
+        cid = crictl.create(pod_id, write_config(configs, f"{name}.json", config), pod_file)
+        start = crictl.run("start", cid, check=check)  # the shim's Create comes here
+        return cid if check else start
+
+    try:
+        first = started("first", "/cache", volume)
+        (volume / "sub").mkdir(mode=0o750)  # kubelet's, for the subPath: on the host
+        wrote = crictl.exec(first, "sh", "-c", "mkdir -m 750 /cache/sub && echo one > "
+                            "/cache/sub/from-first && ln -s /etc /cache/evil")
+        assert wrote.exit_code == 0, wrote
+        second = started("second", "/sub", binds(volume / "sub",
+                                                subpath_target(kubelet_root, "cache", "second")))
+        got = crictl.exec(second, "sh", "-c",
+                          "cat /sub/from-first && echo two > /sub/from-second")
+        assert got.exit_code == 0 and got.stdout.split() == ["one"], got
+        got = crictl.exec(first, "sh", "-c", "cat /cache/sub/from-second; stat -c %a:%g /cache")
+        assert got.exit_code == 0 and got.stdout.split() == ["two", "2777:1234"], got
+        (volume / "evil").mkdir()  # what kubelet makes for a subPath "evil" on the host
+        refused = started("third", "/x", binds(volume / "evil", subpath_target(
+            kubelet_root, "cache", "third")), check=False)
+        assert refused.returncode != 0 and "evil is a link or no directory" in \
+            refused.stderr + refused.stdout, refused
+        assert sorted(p.name for p in volume.rglob("*")) == ["evil", "sub"], \
+            "what the containers wrote reached the host's directory"
     finally:
         remove_pod(crictl, pod_id)

@@ -210,8 +210,9 @@ def test_a_node_warmed_ahead_restores_its_first_pod_and_each_pod_is_its_own(
             # default), their writable layers on the pod's own scratch disk.
             mounts = crictl.exec(cid, "cat", "/proc/mounts", timeout=30)
             assert mounts.exit_code == 0, mounts.stderr
+            layer = f"/run/podvm/scratch/layers/{cid}"
             assert " / overlay " in mounts.stdout and \
-                f"lowerdir=/run/podvm/shared/{cid}/rootfs/.,upperdir=/run/podvm/scratch/{cid}/" \
+                f"lowerdir=/run/podvm/shared/{cid}/rootfs/.,upperdir={layer}/" \
                 in mounts.stdout and " virtiofs " in mounts.stdout, mounts.stdout
             # Both pods woke from the same saved guest, yet each has its own boot id:
             # the kernel draws it at its first read, which no template may make.

@@ -42,5 +42,5 @@ def test_an_id_that_is_not_one_plain_name_is_refused(bad) -> None:
 
 def test_a_containerd_id_is_a_directory_of_the_disk() -> None:
     cid = "4f1c0a9e" * 8
-    assert writable.layer_dir(cid) == f"{writable.SCRATCH}/{cid}"
-    assert writable.layer_dir("my-app_1.2") == f"{writable.SCRATCH}/my-app_1.2"
+    assert writable.layer_dir(cid) == f"{writable.SCRATCH}/layers/{cid}"
+    assert writable.layer_dir("my-app_1.2") == f"{writable.SCRATCH}/layers/my-app_1.2"

@@ -136,3 +136,31 @@ def test_a_writable_bind_does_not_look_below() -> None:
 
     g = guestspec.rewrite(volume_spec("rw"), "c1", submounts=no_look)
     assert [m["destination"] for m in g.spec["mounts"]] == ["/data"]
+
+
+def test_an_empty_dir_the_guest_keeps_is_bound_from_its_volumes_not_the_share() -> None:
+    """With `local_dirs`, an emptyDir bind names the guest's directory (the last of those
+    it needs) and is no host bind; `rro` becomes `ro`, other binds stay shares."""
+    from shim.host.emptydir import LocalDir
+
+    volume = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~empty-dir/cache"
+    subpath = "/var/lib/kubelet/pods/u1/volume-subpaths/cache/app/2"
+    kept = {volume: (LocalDir("cache", 0o2777, 0, 1234),),
+            subpath: (LocalDir("cache", 0o2777, 0, 1234), LocalDir("cache/a", 0o755, 0, 0),
+                      LocalDir("cache/a/b", 0o750, 0, 1234))}
+    spec = dict(CRI_CONTAINER, mounts=[
+        *CRI_CONTAINER["mounts"],
+        {"destination": "/cache", "type": "bind", "source": volume,
+         "options": ["rbind", "rprivate", "rw"]},
+        {"destination": "/b", "type": "bind", "source": subpath, "options": ["rbind", "rro"]}])
+    g = guestspec.rewrite(spec, "c1", writable_in_guest=True, local_dirs=kept.get)
+    by_dest = {m["destination"]: m for m in g.spec["mounts"]}
+    assert by_dest["/cache"] == {"destination": "/cache", "type": "bind",
+                                 "source": "/run/podvm/scratch/volumes/cache",
+                                 "options": ["rbind", "rprivate", "rw"]}
+    assert by_dest["/b"]["source"] == "/run/podvm/scratch/volumes/cache/a/b"
+    assert by_dest["/b"]["options"] == ["ro", "rbind"]
+    assert g.local_dirs == kept[subpath]  # each directory once, the volume's first
+    assert [b.target for b in g.binds] == ["c1/mounts/2-hosts", "c1/mounts/3-resolv.conf"]
+    shared = guestspec.rewrite(spec, "c1", writable_in_guest=True)
+    assert shared.local_dirs == () and len(shared.binds) == 4
