@@ -37,3 +37,12 @@ def test_the_scratch_disk_is_qemu_s_descriptor_found_by_its_serial(tmp_path) -> 
         in line
     without = dataclasses.replace(spec(tmp_path, scratch_disk_mib=0), scratch_disk="")
     assert "virtio-blk" not in " ".join(qemu_command.command(without))
+
+
+def test_tcg_hides_the_byte_wise_string_copies_kvm_gives_the_host_cpu(tmp_path) -> None:
+    """Under TCG the guest's CPU has no ERMS or FSRM (TCG runs `rep movsb` a byte at a
+    time: every copy the guest makes would); under KVM it is the host's."""
+    tcg = vmm.create(spec(tmp_path)).command()
+    assert tcg[tcg.index("-cpu") + 1] == "max,erms=off,fsrm=off"
+    kvm = vmm.create(spec(tmp_path, accel="kvm")).command()
+    assert kvm[kvm.index("-cpu") + 1] == "host"
