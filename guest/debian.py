@@ -9,6 +9,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 KERNEL_META = "linux-image-amd64"
 """The kernel's metapackage: the guest boots the kernel it points to."""
@@ -45,23 +46,27 @@ class KernelApt:
         return run(*cmd, cwd=cwd, env=self.env)
 
     def kernel_package(self) -> str:
-        """The versioned image package the metapackage points to (the lists fetched
-        first when there are none yet, or the package is not in them)."""
-        for attempt in (0, 1):
-            if attempt or not any((self.root / "lists").glob("*Packages*")):
-                try:
-                    self.run("apt-get", "update", "-q")
-                except subprocess.CalledProcessError as exc:
-                    raise SystemExit(f"cannot fetch the kernel's package list "
-                                     f"({KERNEL_SOURCE}): {exc.stderr.strip()}") from None
-            try:
-                out = self.run("apt-cache", "depends", KERNEL_META)
-            except subprocess.CalledProcessError:
-                continue
-            for line in out.splitlines():
-                if line.strip().startswith("Depends: linux-image-"):
-                    return line.strip().split(": ", 1)[1]
-        raise SystemExit(f"cannot resolve {KERNEL_META} from {KERNEL_SOURCE}")
+        """The versioned image package the metapackage points to, from lists fetched
+        anew at each build (a backported kernel's security updates come there); the
+        last lists when the mirror cannot be reached."""
+        have_lists = any((self.root / "lists").glob("*Packages*"))
+        try:
+            self.run("apt-get", "update", "-q")
+        except subprocess.CalledProcessError as exc:
+            if not have_lists:
+                raise SystemExit(f"cannot fetch the kernel's package list "
+                                 f"({KERNEL_SOURCE}): {exc.stderr.strip()}") from None
+            print(f"warning: the kernel's package list not refreshed ({KERNEL_SOURCE}): "
+                  f"{exc.stderr.strip()[-300:]}", file=sys.stderr)
+        try:
+            depends = self.run("apt-cache", "depends", KERNEL_META)
+        except subprocess.CalledProcessError as exc:
+            depends = exc.stderr
+        for line in depends.splitlines():
+            if line.strip().startswith("Depends: linux-image-"):
+                return line.strip().split(": ", 1)[1]
+        raise SystemExit(f"cannot resolve {KERNEL_META} from {KERNEL_SOURCE}: "
+                         f"{depends.strip()[-300:]}")
 
     def version(self, package: str) -> str:
         return versions([package], self.run)[package]
