@@ -12,9 +12,8 @@ BUNDLE_DIR := build/node-bundle
 
 # Debian packages: the runtime's own needs, then what the tests add.
 # erofs-utils: the guest's root image is built where podvm is installed.
-# zstd: the guest kernel, Debian 12 backports', is zstd-compressed (guest/kernel.py).
 # iptables: the nat rule that brings CRI PortForward into the VM (shim/network/portforward.py).
-RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils zstd iptables
+RUNTIME_DEBS := containerd runc python3-venv qemu-system-x86 erofs-utils iptables
 TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2 gcc libc6-dev \
 	patchelf
 # skopeo: the images' archives read by a registry client (tests/images).

@@ -29,11 +29,11 @@ import google.protobuf
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cpio import CpioWriter  # noqa: E402
-from debian import (KernelApt, download, erofs_utils_version, remove, unpack,  # noqa: E402
+from debian import (download, erofs_utils_version, kernel_package, remove, unpack,  # noqa: E402
                     versions)
 from elfneeded import NotElf64, drop_needed, needed  # noqa: E402
 from kernel import (MODULES, ON_DEMAND, ROOT_MODULES, extract_vmlinux,  # noqa: E402
-                    module_names, module_paths, module_tree, on_demand_modules, stem)
+                    module_names, module_paths, module_tree, on_demand_modules)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "build" / "guest"
@@ -110,11 +110,11 @@ def protobuf_version() -> str:
     return google.protobuf.__version__
 
 
-def inputs_digest(kernel_pkg: str, kernel_version: str) -> tuple[str, dict]:
+def inputs_digest(kernel_pkg: str) -> tuple[str, dict]:
     """The image's cache key and what it hashes: the packages' versions, the module lists,
     and every source the image is made by or of (each .py under guest/, this builder's
     debian.py and kernel.py too, and the agent's sources)."""
-    pinned = {kernel_pkg: kernel_version, **versions(PACKAGES)}
+    pinned = versions([kernel_pkg, *PACKAGES])
     sources = hashlib.sha256()
     for path in sorted([INIT, INITRAMFS_INIT, FSTAB, pathlib.Path(__file__),
                         *(ROOT / "guest").rglob("*.py")]):
@@ -268,9 +268,8 @@ OUTPUTS = ("vmlinux", "initrd.img", "rootfs.img")
 
 
 def build(out: pathlib.Path, force: bool = False) -> None:
-    kernel_apt = KernelApt(out / "apt-kernel")
-    kernel_pkg = kernel_apt.kernel_package()
-    digest, manifest = inputs_digest(kernel_pkg, kernel_apt.version(kernel_pkg))
+    kernel_pkg = kernel_package()
+    digest, manifest = inputs_digest(kernel_pkg)
     stamp = out / "inputs.sha256"
     if not force and stamp.exists() and stamp.read_text().strip() == digest and \
             all((out / name).exists() for name in OUTPUTS):
@@ -279,7 +278,7 @@ def build(out: pathlib.Path, force: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="podvm-guest-") as tmp:
         work = pathlib.Path(tmp)
-        kernel_deb = kernel_apt.download(kernel_pkg, work / "kernel")
+        kernel_deb = download([kernel_pkg], work / "kernel")[0]
         kroot = work / "kroot"
         unpack(kernel_deb, kroot)
         vmlinuz = next((kroot / "boot").glob("vmlinuz-*"))
@@ -297,7 +296,7 @@ def build(out: pathlib.Path, force: bool = False) -> None:
         (staging / "etc/podvm-release").write_text(release + "\n")
         demand = on_demand_modules(modroot)
         finish_root(staging, modroot, release, late, demand)
-        on_demand = sorted(stem(p).replace("-", "_") for p in demand)
+        on_demand = sorted(p.name.removesuffix(".ko").replace("-", "_") for p in demand)
         (out / "vmlinux.tmp").write_bytes(extract_vmlinux(vmlinuz.read_bytes()))
         write_initrd(staging / "bin/busybox", busybox_applets(staging), modroot, release,
                      early, out / "initrd.img.tmp")

@@ -22,7 +22,7 @@ _IPC_NAMES = frozenset({"kernel.sem", "kernel.sem_next_id"})
 _UTS_NAMES = frozenset({"kernel.domainname"})
 
 # net.* files that exist in the initial network namespace only, so not per pod: listed
-# from the guest kernel (6.12) as the files under /proc/sys/net that a new network
+# from the guest kernel (6.1) as the files under /proc/sys/net that a new network
 # namespace lacks (tests/guest/test_sysctl_namespaces.py lists them again).
 _VM_WIDE_NET_PREFIXES = ("net.ipv4.neigh.default.", "net.ipv6.neigh.default.")
 _VM_WIDE_NET = frozenset(f"net.{name}" for name in (
@@ -34,7 +34,8 @@ _VM_WIDE_NET = frozenset(f"net.{name}" for name in (
         "high_order_alloc_disable", "max_skb_frags", "mem_pcpu_rsv", "message_burst",
         "message_cost", "netdev_budget", "netdev_budget_usecs", "netdev_max_backlog",
         "netdev_rss_key", "netdev_tstamp_prequeue", "netdev_unregister_timeout_secs",
-        "rps_sock_flow_entries", "skb_defer_max", "tstamp_allow_data", "warnings")),
+        "optmem_max", "rmem_default", "rmem_max", "rps_sock_flow_entries", "skb_defer_max",
+        "tstamp_allow_data", "warnings", "wmem_default", "wmem_max")),
     *(f"ipv4.{n}" for n in (
         "cipso_cache_bucket_size", "cipso_cache_enable", "cipso_rbm_optfmt",
         "cipso_rbm_strictvalid", "fib_sync_mem", "inet_peer_maxttl", "inet_peer_minttl",

@@ -26,8 +26,7 @@ def allowing(*patterns: str) -> config.Config:
     ("net.ipv4.ip_local_port_range", "network"), ("net.core.somaxconn", "network"),
     ("net.ipv4.conf.eth0/100.forwarding", "network"),
     ("net.ipv4.ip_unprivileged_port_start", "network"),
-    ("net.core.rmem_max", "network"),  # per network namespace in 6.12, not yet in 6.1
-    ("net.core.netdev_max_backlog", None), ("net.ipv4.tcp_mem", None),
+    ("net.core.rmem_max", None), ("net.ipv4.tcp_mem", None),
     ("net.ipv4.neigh.default.gc_thresh3", None), ("net.ipv4.route.max_size", None),
     ("vm.overcommit_memory", None), ("kernel.pid_max", None), ("kernel.semx", None),
     ("fs.file-max", None), ("user.max_user_namespaces", None),
@@ -54,14 +53,14 @@ def test_a_vm_wide_sysctl_is_refused_naming_it_why_and_the_way_out() -> None:
     assert "vm.swappiness=10" in message and "not namespaced" in message, message
     assert "whole guest kernel" in message, message
     assert "allowed_vm_wide_sysctls of /etc/podvm/configuration.toml" in message, message
-    assert "net.core.netdev_max_backlog=1" in refusal({"net.core.netdev_max_backlog": "1"})
+    assert "net.core.rmem_max=1" in refusal({"net.core.rmem_max": "1"})
 
 
 def test_the_configuration_lets_listed_ones_through() -> None:
-    check_pod_sysctls({"vm.swappiness": "10", "net.core.netdev_max_backlog": "1"},
-                      allowing("vm.*", "net.core.netdev_max_backlog"))
-    assert "net.core.netdev_budget" in refusal({"net.core.netdev_budget": "1"},
-                                               allowing("net.core.netdev_max_backlog"))
+    check_pod_sysctls({"vm.swappiness": "10", "net.core.rmem_max": "1"},
+                      allowing("vm.*", "net.core.rmem_max"))
+    assert "net.core.wmem_max" in refusal({"net.core.wmem_max": "1"},
+                                          allowing("net.core.rmem_max"))
     assert allowed("kernel.pid_max", ("*",)) and not allowed("kernel.pid_max", ("kernel.pid",))
 
 
