@@ -14,11 +14,12 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
+from podvm_core.protocol import GUEST_VOLUMES
 from podvm_core.ttrpc import Code, TtrpcError
 
 from . import writable
 
-VOLUMES = f"{writable.SCRATCH}/volumes"
+VOLUMES = GUEST_VOLUMES  # on the scratch disk, mounted at writable.SCRATCH
 _OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from . import mounts
 
 PLUGIN = "kubernetes.io~empty-dir"
-_VOLUME = re.compile(r"(?P<pod>/.*/pods/[^/]+)/volumes/kubernetes\.io~empty-dir/(?P<name>[^/]+)")
+_VOLUME = re.compile(rf"(?P<pod>/.*/pods/[^/]+)/volumes/{re.escape(PLUGIN)}/(?P<name>[^/]+)")
 _SUBPATH = re.compile(r"(?P<pod>/.*/pods/[^/]+)/volume-subpaths/(?P<name>[^/]+)/[^/]+/[0-9]+")
 SUBPATH_SCAN_LIMIT = 10_000
 """Entries of a host emptyDir looked at to find a subPath (kubelet's directories only:

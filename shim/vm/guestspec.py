@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from podvm_core.protocol import SANDBOX_NS
+from podvm_core.protocol import GUEST_VOLUMES, SANDBOX_NS
 
 from ..host import emptydir
 from ..host import mounts as host_mounts
@@ -32,8 +32,6 @@ GUEST_SHARED = "/run/podvm/shared"
 """A namespace path the agent resolves to the guest sandbox container's."""
 GUEST_ROOTS = "/run/podvm/rootfs"
 """Where the agent makes a container's root that has its writable layer in the guest."""
-GUEST_VOLUMES = "/run/podvm/scratch/volumes"
-"""Where the agent makes the pod's emptyDir volumes (guest/agent/volumes.py)."""
 _HOST_KERNEL_PATHS = ("/dev", "/proc", "/sys")
 _SHM_TMPFS = {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}
