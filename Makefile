@@ -22,7 +22,7 @@ TEST_DEBS += skopeo
 STAMP := $(VENV)/.podvm-installed
 SOURCES := pyproject.toml setup.py $(shell find protos -name '*.proto' -o -name '*.py' 2>/dev/null)
 
-.PHONY: help deps test-deps venv gen guest bundle images install uninstall test test-busy bench demo clean
+.PHONY: help deps test-deps venv gen guest virtiofsd bundle images install uninstall test test-busy bench demo clean
 
 help:
 	@echo "make demo       run the demo on a private containerd (installs what it needs)"
@@ -33,6 +33,7 @@ help:
 	@echo "make bench      print the benchmarks' figures"
 	@echo "make gen        regenerate the protobuf modules (podvm_core/pb)"
 	@echo "make guest      build the guest image (kernel + initramfs) into $(GUEST_BUILD)"
+	@echo "make virtiofsd  fetch Debian 13's Rust virtiofsd (for the tests) into build/virtiofsd"
 	@echo "make bundle     build the tree podvm-node install puts in /opt/podvm into $(BUNDLE_DIR)"
 	@echo "make images     build the podvm-webhook and podvm-node images into build/images"
 
@@ -69,6 +70,11 @@ gen: $(STAMP)
 guest: $(STAMP)
 	$(VENV)/bin/python guest/build.py --out $(GUEST_BUILD)
 
+# The Rust virtiofsd (Debian 13's, made to load on Debian 12) into build/virtiofsd, for
+# the tests of podvm with it (tests/virtiofsd_rust.py); fetched again when Debian's changes.
+virtiofsd: $(STAMP)
+	$(VENV)/bin/python -m tests.virtiofsd_rust --out build/virtiofsd
+
 # The self-contained podvm a node gets in /opt/podvm (podvm_node/bundle.py): Debian's
 # QEMU and Python with their libraries, podvm, the guest. Cached like the guest.
 bundle: guest
@@ -101,12 +107,12 @@ uninstall:
 	rm -f $(BINDIR)/containerd-shim-podvm-v2 $(BINDIR)/podvmctl $(BINDIR)/podvm-webhook
 	rm -rf $(PREFIX) $(GUESTDIR)
 
-test: guest
+test: guest virtiofsd
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Our machines are shared and noisy: the suite must pass with one core taken by
 # someone else. The hog runs at normal priority on the first CPU and ends with the run.
-test-busy: guest
+test-busy: guest virtiofsd
 	@hog_cpu=$$(cut -d, -f1 /sys/fs/cgroup/cpuset/cpuset.cpus 2>/dev/null | cut -d- -f1); \
 	taskset -c $${hog_cpu:-0} $(PYTHON) -c 'while True: pass' & hog=$$!; \
 	trap "kill $$hog" EXIT; \

@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from net_bench import loadavg, machine, parse_loop, terminated, timed_loop  # noqa: E402
-from shim.config import SHARED_FS, HypervisorConfig  # noqa: E402
+from shim.config import SHARED_FS, HypervisorConfig, default_virtio_fs_daemon  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.netpods import pod_network_config  # noqa: E402
@@ -167,6 +167,10 @@ def table(results: dict[str, dict[str, float]], files: int, tar_files: int) -> l
     return lines
 
 
+def daemon(args: argparse.Namespace) -> dict[str, str]:
+    return {"virtio_fs_daemon": args.virtio_fs_daemon} if args.virtio_fs_daemon else {}
+
+
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     # in /var/tmp: a tmpfs' emptyDir would be one of medium Memory, which stays the host's
@@ -180,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                                    template_path=str(work / "templates"),
                                    shared_fs=args.shared_fs,
                                    scratch_disk_mib=args.scratch_disk_mib,
+                                   **daemon(args),
                                    runtime={"disable_guest_empty_dir": args.host_empty_dir})
         warm_templates(config)
         ctd = Containerd(work / "containerd", namespace="podvm-fs-bench", cri=True,
@@ -212,6 +217,10 @@ def main() -> int:
                              "layers on the host)")
     parser.add_argument("--host-empty-dir", action="store_true",
                         help="podvm shares emptyDirs from the host (disable_guest_empty_dir)")
+    parser.add_argument("--virtio-fs-daemon", metavar="PATH",
+                        help="podvm's virtiofsd (default: the node's, as the shim picks "
+                             "it; build/virtiofsd/virtiofsd: the Rust one `make virtiofsd` "
+                             "fetches)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
     if args.files < 1 or args.tar_files < 1:
@@ -223,7 +232,8 @@ def main() -> int:
     print()
     print(f"machine: {machine(args.accel)}; podvm's shared_fs {args.shared_fs}, "
           f"scratch_disk_mib {args.scratch_disk_mib}, disable_guest_empty_dir "
-          f"{str(args.host_empty_dir).lower()}; load "
+          f"{str(args.host_empty_dir).lower()}, virtio_fs_daemon "
+          f"{args.virtio_fs_daemon or default_virtio_fs_daemon()}; load "
           f"average {load_before} before, {loadavg()} after")
     print("\n".join(table(results, args.files, args.tar_files)))
     print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "

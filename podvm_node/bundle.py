@@ -257,10 +257,11 @@ def write_scripts(stage: pathlib.Path) -> None:
 
 def configuration_text(packaged: str) -> str:
     """packaging/configuration.toml with the paths of QEMU, virtiofsd and the guest
-    under /opt/podvm."""
+    under /opt/podvm (a key the packaged file leaves commented out is set)."""
     text = packaged
     for key, rel in CONFIG_PATHS.items():
-        text, count = re.subn(rf'(?m)^{key} = "[^"\n]*"$', f'{key} = "{PREFIX}/{rel}"', text)
+        text, count = re.subn(rf'(?m)^(# )?{key} = "[^"\n]*"$', f'{key} = "{PREFIX}/{rel}"',
+                              text)
         if count != 1:
             raise BundleError(f"packaging/configuration.toml: no single {key} line")
     return text.replace("Installed as /etc/podvm/configuration.toml by `make install`",

@@ -17,6 +17,15 @@ class ConfigError(ValueError):
     pass
 
 
+VIRTIO_FS_DAEMONS = ("/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd")
+"""The Rust virtiofsd (Debian 13 and later, Ubuntu 24.04, Fedora: FUSE_TMPFILE among the
+rest), then QEMU 7.2's C one (Debian 12's qemu-system-common)."""
+
+
+def default_virtio_fs_daemon() -> str:
+    return next((p for p in VIRTIO_FS_DAEMONS if os.path.isfile(p)), VIRTIO_FS_DAEMONS[0])
+
+
 @dataclass(frozen=True)
 class HypervisorConfig:
     """The section [hypervisor.qemu]: the VMM, the guest it boots and the VM's defaults
@@ -68,8 +77,9 @@ class HypervisorConfig:
     """Kata's key: how the containers' files reach the guest. "virtio-fs" (a virtiofsd
     per pod, shim/vm/virtiofsd.py) keeps POSIX semantics; "virtio-9p" is the fallback
     (QEMU's own 9p server), without locks, sockets, FIFOs or O_TMPFILE on shared files."""
-    virtio_fs_daemon: str = "/usr/lib/qemu/virtiofsd"
-    """Kata's key: the virtiofsd binary (QEMU 7.2's, from qemu-system-common)."""
+    virtio_fs_daemon: str = field(default_factory=default_virtio_fs_daemon)
+    """Kata's key: the virtiofsd binary; by default the first of VIRTIO_FS_DAEMONS that
+    is installed (shim/vm/virtiofsd.py speaks to either)."""
     virtio_fs_cache: str = "auto"
     """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
     scratch_disk_mib: int = 10240

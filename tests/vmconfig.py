@@ -16,6 +16,10 @@ from tests.conftest import require, require_tool
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # PODVM_GUEST_DIR: another image (one being built and tried beside the default one)
 GUEST = pathlib.Path(os.environ.get("PODVM_GUEST_DIR") or ROOT / "build" / "guest")
+RUST_VIRTIOFSD = ROOT / "build" / "virtiofsd" / "virtiofsd"
+QEMU_VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+VIRTIOFS_DAEMONS = ("qemu-7.2", "rust")
+"""The virtiofsds podvm speaks to (shim/vm/virtiofsd.py), by virtiofs_daemon()'s names."""
 # The templates pods of this run make and restore (shim/vm/template.py): this
 # process's own, removed by remove_templates() when the run ends.
 TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
@@ -47,6 +51,22 @@ def root_image() -> str:
     return str(image)
 
 
+def rust_virtiofsd() -> str:
+    """The Rust virtiofsd `make test` fetches (tests/virtiofsd_rust.py): what a node with
+    Debian 13 or Ubuntu 24.04 serves the pods' files with."""
+    require(RUST_VIRTIOFSD.is_file(), f"the Rust virtiofsd {RUST_VIRTIOFSD} (make virtiofsd)")
+    return str(RUST_VIRTIOFSD)
+
+
+def virtiofs_daemon(kind: str) -> str:
+    """"rust" (rust_virtiofsd) or "qemu-7.2", Debian 12's own."""
+    if kind == "rust":
+        return rust_virtiofsd()
+    require(os.path.isfile(QEMU_VIRTIOFSD), f"{QEMU_VIRTIOFSD} (Debian package "
+                                            f"qemu-system-common)")
+    return QEMU_VIRTIOFSD
+
+
 def vm_config(**qemu: object) -> Config:
     kernel, initrd = guest_image()
     fields = dict(kernel=kernel, initrd=initrd, image=root_image(), accel="tcg",
@@ -67,7 +87,7 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     q = vm_config(**qemu).qemu
     lines = ["[hypervisor.qemu]"]
     for key in ("kernel", "initrd", "image", "accel", "template_path", "shared_fs",
-                "template_cgroup", "scratch_path"):
+                "template_cgroup", "scratch_path", "virtio_fs_daemon"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")

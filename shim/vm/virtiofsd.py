@@ -5,6 +5,8 @@ directory. Started before QEMU, with QEMU's `preexec` (the sandbox cgroup, so wh
 uses is the pod's); it ends by itself when QEMU's connection goes, and is killed with the
 VM otherwise.
 
+Either daemon: the Rust one (/usr/libexec/virtiofsd, the default where it is installed:
+shim/config.py) or QEMU 7.2's C one, each told the same in its own words (command()).
 What it is allowed, and why (docs/design.md, "Rooms and floors" names the room):
 - sandbox=namespace: it pivots into the shared directory in mount, PID and network
   namespaces of its own, under its own seccomp filter, so a guest that took it over
@@ -15,13 +17,15 @@ What it is allowed, and why (docs/design.md, "Rooms and floors" names the room):
   (XATTR_MAP): a guest's `trusted.overlay.*` or `security.*` means nothing to the host,
   and the host's own attributes are hidden from the guest, but for the image's file
   capabilities, which the guest reads (and honours in the guest, as runc's host would);
-- posix_lock and flock: record and whole-file locks, held in the host's kernel;
+- posix_lock and flock (the C daemon): record and whole-file locks, held in the host's
+  kernel; the Rust daemon leaves them to the guest's kernel (command());
 - announce_submounts: each volume is its own file system in the guest (st_dev, statfs);
 - --rlimit-nofile at the inherited hard limit (it holds a descriptor per file the guest
   looks up, and raising the hard limit would need CAP_SYS_RESOURCE)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import resource
@@ -44,15 +48,53 @@ START_TIMEOUT = 10  # seconds: a host process binding a socket, not a guest boot
 _LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags
 
 
-def command(spec: VMSpec) -> list[str]:
+def command(spec: VMSpec, separate_options: bool) -> list[str]:
+    """virtiofsd's command line: a daemon that announces "separate-options" (the Rust
+    one: /usr/libexec/virtiofsd on Debian 13 and Ubuntu 24.04) takes each option as its
+    own flag; QEMU 7.2's C daemon takes them as `-o` words. Where their
+    behaviour differs: the C one holds the guest's record and whole-file locks in the
+    host's kernel (posix_lock, flock), the Rust one has no such option and the guest's
+    kernel keeps them among the guest's own processes (the pod's containers are all
+    there); only the Rust one serves FUSE_TMPFILE (O_TMPFILE in a volume)."""
     q = spec.hypervisor
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1_000_000)
-    return [q.virtio_fs_daemon, f"--socket-path={virtio_fs_socket(spec.workdir)}",
+    sock = f"--socket-path={virtio_fs_socket(spec.workdir)}"
+    if separate_options:
+        cache = "never" if q.virtio_fs_cache == "none" else q.virtio_fs_cache
+        return [q.virtio_fs_daemon, sock, f"--shared-dir={spec.shared_dir}",
+                f"--cache={cache}", "--sandbox=namespace", "--seccomp=kill",
+                "--modcaps=-mknod:-setfcap", "--xattr", f"--xattrmap={XATTR_MAP}",
+                "--announce-submounts", "--allow-direct-io", f"--rlimit-nofile={nofile}"]
+    return [q.virtio_fs_daemon, sock,
             "-o", f"source={spec.shared_dir}", "-o", f"cache={q.virtio_fs_cache}",
             "-o", "sandbox=namespace", "-o", "modcaps=-mknod:-setfcap",
             "-o", f"xattrmap={XATTR_MAP}", "-o", "posix_lock", "-o", "flock",
             "-o", "announce_submounts", "-o", "allow_direct_io",
             f"--rlimit-nofile={nofile}"]
+
+
+async def separate_options(daemon: str) -> bool:
+    """The daemon's vhost-user capabilities (`--print-capabilities`, the JSON that QEMU's
+    vhost-user.json describes) list "separate-options"; False for anything else,
+    whose start then says what is wrong."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            daemon, "--print-capabilities", stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    except OSError:
+        return False
+    try:
+        async with asyncio.timeout(START_TIMEOUT):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return False
+    try:
+        features = json.loads(out).get("features", [])
+    except (ValueError, AttributeError):
+        return False
+    return "separate-options" in features
 
 
 def log_path(spec: VMSpec) -> str:
@@ -76,7 +118,8 @@ class FileServer:
             os.unlink(sock)
         except FileNotFoundError:
             pass
-        cmd = command(self.spec)
+        daemon = self.spec.hypervisor.virtio_fs_daemon
+        cmd = command(self.spec, await separate_options(daemon))
         log.info("starting virtiofsd: %s", " ".join(cmd))
         out = open(log_path(self.spec), "ab")
         try:

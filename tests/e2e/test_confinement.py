@@ -1,10 +1,11 @@
 """QEMU confined (shim/vm/jail.py, its -sandbox) for pods made through containerd's
 CRI: /proc shows the seccomp filter, no_new_privs and no capability (virtiofsd, not
 QEMU, serves the pod's files); its root holds its own work directory and none of the
-pod's files, no other pod's, nor containerd's. virtiofsd (shim/vm/virtiofsd.py) is in
-namespaces of its own whose root is the pod's shared directory; a container's files,
-mounted after it started, reach its namespace and leave it again; the guest's root still
-owns, chmods and writes its files over virtio-fs, and cannot make device nodes;
+pod's files, no other pod's, nor containerd's. virtiofsd (shim/vm/virtiofsd.py; either
+daemon, QEMU 7.2's and the Rust one) is in namespaces of its own whose root is the pod's
+shared directory; a container's files, mounted after it started, reach its namespace
+and leave it again; the guest's root still owns, chmods and writes its files over
+virtio-fs, and cannot make device nodes;
 `podvmctl status` says all this. Real containerd, real QEMU under TCG (pods restored
 from a template, as by default)."""
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 from shim.host import paths
 from podvmctl import status
 from shim.vm import jail
+
+from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 
 from .containerd import CRI_NAMESPACE, mount_namespace
 from .cri import Crictl, write_config
@@ -34,9 +37,13 @@ def file_server(pod_id: str) -> int:
     return children[0]
 
 
-@pytest.fixture(scope="module")
-def ctd(tmp_path_factory, image_cache):
-    yield from cri_containerd(tmp_path_factory, image_cache, "podvm-jail", "podvm-jail-test")
+@pytest.fixture(scope="module", params=VIRTIOFS_DAEMONS)
+def ctd(request, tmp_path_factory, image_cache):
+    """Every test once with each virtiofsd podvm speaks to: the C one's confinement and
+    the Rust one's are each proved."""
+    yield from cri_containerd(tmp_path_factory, image_cache, f"podvm-jail-{request.param}",
+                              f"podvm-jail-test-{request.param}",
+                              virtio_fs_daemon=virtiofs_daemon(request.param))
 
 
 @pytest.fixture(scope="module")

@@ -358,10 +358,10 @@ def test_install_runs_a_pod_from_opt_podvm_and_uninstall_leaves_nothing(
                                      scratch_path=str(tmp_path / "scratch"),
                                      kernel=f"{PODVM}/share/podvm/vmlinux",
                                      initrd=f"{PODVM}/share/podvm/initrd.img",
-                                     image=f"{PODVM}/share/podvm/rootfs.img").read_text()
+                                     image=f"{PODVM}/share/podvm/rootfs.img",
+                                     virtio_fs_daemon=f"{PODVM}/libexec/virtiofsd").read_text()
     podvm_config = podvm_config.replace("[hypervisor.qemu]\n", (
         f'[hypervisor.qemu]\npath = "{PODVM}/bin/qemu-system-x86_64"\n'
-        f'virtio_fs_daemon = "{PODVM}/libexec/virtiofsd"\n'
         f'scratch_mke2fs = "{PODVM}/bin/mke2fs"\n'), 1)
     scratch_root(tmp_path, ctd.operator_config(), podvm_config)
     before = snapshot(host)

@@ -18,14 +18,21 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
 from shim.vm.qemu import QemuVM
 from tests.vm.test_qemu import spec
+from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 
 
 def _servers(marker: str) -> list[int]:
     return processes_of("virtiofsd", marker)
 
 
-async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_path) -> None:
-    vm = QemuVM(spec(tmp_path))
+@pytest.mark.parametrize("daemon", VIRTIOFS_DAEMONS)
+async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_path,
+                                                                          daemon) -> None:
+    """Either daemon, each spoken to in its own words: the Rust one (Debian 13's, as
+    `make test` fetches it: tests/virtiofsd_rust.py) and QEMU 7.2's (Debian 12's
+    qemu-system-common)."""
+    binary = virtiofs_daemon(daemon)
+    vm = QemuVM(spec(tmp_path, virtio_fs_daemon=binary))
     await vm.launch()
     try:
         agent = Agent.of_vm(vm)
@@ -40,6 +47,10 @@ async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_pa
             assert {t.id for t in psutil.Process(pid).threads()} <= set(roles[ThreadRole.FILES])
         sock = qemu_command.virtio_fs_socket(vm.spec.workdir)
         assert _servers(sock) == sorted(vm.helper_pids)
+        words = psutil.Process(vm.helper_pids[0]).cmdline()
+        assert words[0] == binary
+        assert (f"--shared-dir={vm.spec.shared_dir}" in words) == (daemon == "rust")
+        assert (f"source={vm.spec.shared_dir}" in words) == (daemon == "qemu-7.2")
     finally:
         await vm.stop()
     assert _servers(sock) == []  # gone with the VM
@@ -48,7 +59,8 @@ async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_pa
 async def test_a_missing_virtiofsd_is_named_before_anything_starts(tmp_path) -> None:
     vm = QemuVM(spec(tmp_path, virtio_fs_daemon="/nonexistent/virtiofsd"))
     with pytest.raises(MissingFile, match="virtio_fs_daemon /nonexistent/virtiofsd does not "
-                                          "exist: install the qemu-system-common package"):
+                                          "exist: install virtiofsd \\(Debian 13 and later\\) "
+                                          "or qemu-system-common \\(Debian 12\\)"):
         await vm.launch()
     assert not os.path.exists(vm.spec.workdir)
 
@@ -98,5 +110,37 @@ def test_9p_only_where_the_configuration_names_it(tmp_path) -> None:
     line = " ".join(qemu_command.command(nine_p))
     assert "virtio-9p-pci" in line and "vhost-user-fs" not in line and "pcie-root-port" \
         not in line and "podvm_share=9p" in line
-    assert virtiofsd.command(spec(tmp_path))[1:3] == [
+    assert virtiofsd.command(spec(tmp_path), False)[1:3] == [
         f"--socket-path={tmp_path}/vm/virtiofs.sock", "-o"]
+
+
+def _daemon(tmp_path, script: str) -> str:
+    fake = tmp_path / "fake-virtiofsd"
+    fake.write_text("#!/bin/sh\n" + script + "\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+async def test_each_daemon_gets_the_words_its_capabilities_announce(tmp_path, monkeypatch) \
+        -> None:
+    """"separate-options" (vhost-user.json): one flag an option; anything else, the C
+    daemon's `-o` words; a daemon that never answers is given up on and not left."""
+    rust = _daemon(tmp_path, """echo '{"type": "fs", "features": ["separate-options"]}'""")
+    assert await virtiofsd.separate_options(rust)
+    line = virtiofsd.command(spec(tmp_path, virtio_fs_daemon=rust, virtio_fs_cache="none"),
+                             True)
+    assert line[0] == rust and "-o" not in line and "--cache=never" in line
+    assert {"--sandbox=namespace", "--seccomp=kill", "--modcaps=-mknod:-setfcap", "--xattr",
+            f"--xattrmap={virtiofsd.XATTR_MAP}", "--announce-submounts"} <= set(line)
+    old = _daemon(tmp_path, """echo '{"type": "fs"}'""")
+    assert not await virtiofsd.separate_options(old)
+    c_line = virtiofsd.command(spec(tmp_path, virtio_fs_cache="none"), False)
+    assert {"cache=none", "posix_lock", "flock", "sandbox=namespace"} <= set(c_line)
+    for script in ("echo not json", "exit 1", "echo '[1]'"):
+        assert not await virtiofsd.separate_options(_daemon(tmp_path, script))
+    assert not await virtiofsd.separate_options(str(tmp_path / "absent"))
+    monkeypatch.setattr(virtiofsd, "START_TIMEOUT", 0.3)
+    hung = _daemon(tmp_path, "echo $$ > " + str(tmp_path / "pid") + "; exec sleep 60")
+    assert not await virtiofsd.separate_options(hung)
+    pid = int((tmp_path / "pid").read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
