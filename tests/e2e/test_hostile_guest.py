@@ -70,7 +70,7 @@ n=0
 while [ "$($bb date +%s)" -lt "$end" ] && [ ! -e "$root/stop" ]; do
     n=$((n+1))
     for d in $share/*/; do
-        [ "$d" = "$me" ] && continue
+        [ "$d" = "$me" ] || [ -e "$root/stop" ] && continue
         d=${d%/}
         for p in "$d" "$d/rootfs" "$d/mounts" "$d"/mounts/*; do
             try $bb mv "$p" "$p.$n"
