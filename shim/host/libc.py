@@ -28,3 +28,15 @@ def last_errno() -> int:
     import ctypes  # loaded by libc() already
 
     return ctypes.get_errno()
+
+
+PR_SET_THP_DISABLE = 41
+
+
+def no_huge_pages() -> None:
+    """No transparent huge pages for this process, inherited across fork and exec (run
+    in QEMU's child: QEMU asks for them on guest RAM and the TCG cache; with them a guest
+    page touched keeps 2 MiB resident, and what free page reporting returns is split off
+    later. Measured: the idle guest's RAM 96.0 -> 91.3 MiB resident, boot no slower)."""
+    if libc().prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0):
+        raise OSError(last_errno(), "prctl(PR_SET_THP_DISABLE)")

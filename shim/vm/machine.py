@@ -179,24 +179,37 @@ class Machine(MachineResize):
         timeout = self.config.qemu.boot_timeout
         self.record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
         self.agent = Agent.of_vm(self.vm)
-        if template is not None:  # before anything else is asked of the guest
-            started = time.monotonic()
-            try:
-                await self.agent.resume_restored(
-                    {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
-            except Exception as exc:
-                if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
-                    template.discard(f"the guest restored from it did not resume: {exc}")
-                raise
-            log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
+        # The host's side asks nothing of the guest: it goes on while the guest resumes.
+        placing = asyncio.ensure_future(self._place_threads())
+        try:
+            if template is not None:  # before anything else is asked of the guest
+                await self._resume(template, vm, timeout)
+        except BaseException:
+            placing.cancel()
+            await asyncio.gather(placing, return_exceptions=True)
+            raise
         # The agent takes the network before it has answered the ping: one round trip less.
         network = self.state.network
         info, *_ = await _together(
-            self.agent.ping(timeout=timeout), self._place_threads(),
+            self.agent.ping(timeout=timeout), placing,
             *([self._configure_guest_network(network, timeout)]
               if network is not None and network.interfaces else []),
             *([self._forward_ports()] if self.netns else []))
         return info
+
+    async def _resume(self, template: templates.Template, vm: VM, timeout: float) -> None:
+        """The restored guest made this pod's (its agent's Resume); the template discarded
+        when its guest cannot be."""
+        assert self.agent is not None and self.vm is not None
+        started = time.monotonic()
+        try:
+            await self.agent.resume_restored(
+                {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
+        except Exception as exc:
+            if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
+                template.discard(f"the guest restored from it did not resume: {exc}")
+            raise
+        log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
 
     async def _boot_failed(self, vm: VM, exc: BaseException) -> None:
         """Undo the boot; QEMU dying after launch shows up as a broken agent or QMP call:

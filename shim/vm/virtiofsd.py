@@ -105,10 +105,21 @@ class FileServer:
     def __init__(self, spec: VMSpec) -> None:
         self.spec = spec
         self._proc: asyncio.subprocess.Process | None = None
+        self._starting: asyncio.Future[None] | None = None
 
     @property
     def pid(self) -> int:
         return self._proc.pid if self._proc is not None else 0
+
+    def start_soon(self, preexec: Callable[[], None] | None) -> None:
+        """start() under way while the caller goes on; ready() waits for it (a restored
+        VM needs its file server only when its device is added, after the state)."""
+        self._starting = asyncio.ensure_future(self.start(preexec))
+
+    async def ready(self) -> None:
+        """start_soon()'s start done: its error, if it failed."""
+        assert self._starting is not None
+        await asyncio.shield(self._starting)
 
     async def start(self, preexec: Callable[[], None] | None) -> None:
         """virtiofsd running and listening on its socket; HypervisorError with its own
@@ -170,7 +181,12 @@ class FileServer:
         return sorted(tids)
 
     async def stop(self, timeout: float = 2) -> None:
-        """Gone; it normally ends by itself once QEMU has hung up."""
+        """Gone, and a start under way given up; it normally ends by itself once QEMU
+        has hung up."""
+        starting, self._starting = self._starting, None
+        if starting is not None and starting is not asyncio.current_task():
+            starting.cancel()  # done already: nothing
+            await asyncio.gather(starting, return_exceptions=True)
         proc = self._proc
         if proc is None or proc.returncode is not None:
             return

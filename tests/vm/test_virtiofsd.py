@@ -5,6 +5,7 @@ booted VM, none on one to be saved (QEMU 7.2 cannot save it), its root port on b
 9p only where the configuration names it."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import pathlib
@@ -85,6 +86,37 @@ async def test_a_virtiofsd_that_never_listens_is_stopped_and_said(tmp_path, monk
     with pytest.raises(HypervisorError, match="did not listen on .*virtiofs.sock within"):
         await vm.launch()
     assert vm._proc is None and _servers(str(tmp_path)) == []
+
+
+async def test_a_start_under_way_is_given_up_by_stop_and_its_error_kept_for_ready(
+        tmp_path, monkeypatch) -> None:
+    """A restore starts virtiofsd while QEMU loads the state (start_soon) and waits for
+    it only before adding the device (ready): a stop meanwhile leaves no daemon and no
+    task behind, and a start that failed says so at ready, in its own words."""
+    monkeypatch.setattr(virtiofsd, "START_TIMEOUT", 5)
+    hangs = tmp_path / "hangs"
+    hangs.write_text("#!/bin/sh\n[ \"$1\" = --print-capabilities ] && exit 0\nexec sleep 60\n")
+    hangs.chmod(0o755)
+    server = virtiofsd.FileServer(spec(tmp_path, virtio_fs_daemon=str(hangs)))
+    os.makedirs(server.spec.workdir)  # QemuVM.launch makes it
+    server.start_soon(None)
+    for _ in range(200):  # until its process runs
+        if server.pid:
+            break
+        await asyncio.sleep(0.01)
+    pid = server.pid
+    assert pid and psutil.pid_exists(pid)
+    await server.stop(timeout=0.5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert server._starting is None
+    fails = tmp_path / "fails"
+    fails.write_text("#!/bin/sh\necho 'cannot open the shared directory' >&2\nexit 4\n")
+    fails.chmod(0o755)
+    server = virtiofsd.FileServer(spec(tmp_path, virtio_fs_daemon=str(fails)))
+    server.start_soon(None)
+    with pytest.raises(HypervisorError, match="exited with status 4: cannot open the shared"):
+        await server.ready()
+    await server.stop()
 
 
 def test_the_device_is_on_a_booted_vm_and_not_on_one_to_be_saved(tmp_path) -> None:
