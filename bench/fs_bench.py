@@ -6,7 +6,10 @@ one), and busybox tar extracting 10,000 small files into the root fs (and removi
 them), timed in the container with busybox adjtimex as bench/net_bench.py does (busybox
 date has no %N).
 
-A SQLite loop is left out: Debian ships no static sqlite3 the busybox image could run.
+And SQLite (tests/e2e/sqliteprobe.c, built static against Debian's libsqlite3.a, as the
+busybox image has no libc) in each place: N inserts each its own transaction
+(`synchronous=FULL`: a journal written, synced and removed, the database locked and
+synced, every time), then N in one transaction.
 
 `--shared-fs virtio-9p` measures podvm's fallback (its old default) instead;
 `--scratch-disk-mib 0`, podvm without a scratch disk (the containers' writable layers on
@@ -14,7 +17,7 @@ the host, every file operation over the share, as before the scratch disk);
 `--host-empty-dir`, podvm with `disable_guest_empty_dir` (emptyDirs shared from the host
 as hostPath volumes are, as before they were the guest's).
 
-usage: python bench/fs_bench.py [--files N] [--tar-files M] [--accel tcg|kvm]
+usage: python bench/fs_bench.py [--files N] [--tar-files M] [--sqlite-rows R] [--accel tcg|kvm]
                                 [--runtime-only podvm|runc] [--shared-fs virtio-fs|virtio-9p]
                                 [--scratch-disk-mib MIB] [--host-empty-dir] [--json FILE]
 """
@@ -50,6 +53,7 @@ PLACES = {"rootfs": (ROOT_DIR, "root fs"), "volume": (VOLUME, "hostPath volume")
           "emptydir": (EMPTY_DIR, "emptyDir")}
 TOOLS = "/probe"  # fsprobe and the tar, read-only
 SPEED_OPS = ("create", "stat", "unlink", "write64", "read64")
+SQLITE_OPS = ("each", "batch")
 
 
 def make_tar(path: pathlib.Path, files: int) -> None:
@@ -60,6 +64,15 @@ def make_tar(path: pathlib.Path, files: int) -> None:
             info = tarfile.TarInfo(f"tree/d{i // 100:03d}/f{i:05d}")
             info.size, info.mtime = len(data), 1700000000
             tar.addfile(info, io.BytesIO(data))
+
+
+def parse_sqlite(output: str) -> dict[str, float]:
+    """sqliteprobe's `sqlite each s` and `sqlite batch s` as op to seconds."""
+    found = {w[1]: float(w[2]) for w in (line.split() for line in output.splitlines())
+             if len(w) == 3 and w[0] == "sqlite" and w[1] in SQLITE_OPS}
+    if sorted(found) != sorted(SQLITE_OPS) or "sqlite ok" not in output:
+        raise RuntimeError(f"sqliteprobe printed {output!r}")
+    return found
 
 
 def parse_speed(output: str) -> dict[str, float]:
@@ -73,9 +86,9 @@ def parse_speed(output: str) -> dict[str, float]:
 
 class Bench:
     def __init__(self, ctd: Containerd, crictl: Crictl, work: pathlib.Path,
-                 tools: pathlib.Path, files: int) -> None:
+                 tools: pathlib.Path, files: int, sqlite_rows: int) -> None:
         self.ctd, self.crictl, self.work, self.tools = ctd, crictl, work, tools
-        self.files = files
+        self.files, self.sqlite_rows = files, sqlite_rows
         self.kubelet = work / "kubelet"
         """kubelet's root, for the emptyDirs: on a disk (work is not a tmpfs)."""
 
@@ -128,6 +141,9 @@ class Bench:
                                       f"{TOOLS}/fsprobe speed {path} {self.files}")
                 figures.update({f"{op} {place}": s for op, s in parse_speed(out).items()})
                 print(f"{runtime} {place}: " + " ".join(out.split()), flush=True)
+                out = self.shell(cid, f"{TOOLS}/sqliteprobe {path} {self.sqlite_rows}")
+                figures.update({f"sqlite {op} {place}": s
+                                for op, s in parse_sqlite(out).items()})
             figures["untar rootfs"] = self.timed(
                 cid, f"mkdir {ROOT_DIR}/x && tar -xf {TOOLS}/files.tar -C {ROOT_DIR}/x",
                 f"{runtime} tar")
@@ -139,7 +155,7 @@ class Bench:
         return figures
 
 
-def rows(files: int, tar_files: int) -> list[tuple[str, str]]:
+def rows(files: int, tar_files: int, sqlite_rows: int) -> list[tuple[str, str]]:
     """(label, figure key) in the table's order."""
     found = []
     for place, (_, where) in PLACES.items():
@@ -147,14 +163,19 @@ def rows(files: int, tar_files: int) -> list[tuple[str, str]]:
                   (f"stat {files} files, {where}", f"stat {place}"),
                   (f"unlink {files} files, {where}", f"unlink {place}"),
                   (f"write 64 MiB + fsync, {where}", f"write64 {place}"),
-                  (f"read 64 MiB back, {where}", f"read64 {place}")]
+                  (f"read 64 MiB back, {where}", f"read64 {place}"),
+                  (f"SQLite {sqlite_rows} inserts, a transaction each, {where}",
+                   f"sqlite each {place}"),
+                  (f"SQLite {sqlite_rows} inserts in one transaction, {where}",
+                   f"sqlite batch {place}")]
     return found + [(f"tar -xf {tar_files} files of 512 B, root fs", "untar rootfs"),
                     (f"rm -rf those {tar_files} files, root fs", "rm -rf rootfs")]
 
 
-def table(results: dict[str, dict[str, float]], files: int, tar_files: int) -> list[str]:
+def table(results: dict[str, dict[str, float]], files: int, tar_files: int,
+          sqlite_rows: int) -> list[str]:
     names = [r for r in RUNTIMES if r in results]
-    labels = rows(files, tar_files)
+    labels = rows(files, tar_files, sqlite_rows)
     width = max(len(label) for label, _ in labels)
     head = f"{'operation':<{width}}" + "".join(f"  {n + ' s':>10}" for n in names)
     lines = [head + (f"  {'podvm/runc':>10}" if len(names) == 2 else "")]
@@ -192,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         with ctd:
             ctd.import_cri_images(work)
             bench = Bench(ctd, Crictl(ctd.cri_endpoint, timeout="120s"), work, tools,
-                          args.files)
+                          args.files, args.sqlite_rows)
             for runtime in args.runtimes:  # one pod at a time: nothing else runs
                 results[runtime] = bench.measure(runtime)
         if ctd.forced:
@@ -207,6 +228,8 @@ def main() -> int:
                         help="files created, stat'ed and unlinked per place (default 2000)")
     parser.add_argument("--tar-files", type=int, default=10000,
                         help="files in the extracted tar (default 10000)")
+    parser.add_argument("--sqlite-rows", type=int, default=200,
+                        help="SQLite inserts of each kind (default %(default)s)")
     parser.add_argument("--accel", default="tcg", help="podvm's QEMU accel (default tcg)")
     parser.add_argument("--runtime-only", choices=RUNTIMES, help="measure one runtime")
     parser.add_argument("--shared-fs", choices=SHARED_FS, default=SHARED_FS[0],
@@ -223,8 +246,8 @@ def main() -> int:
                              "fetches)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
-    if args.files < 1 or args.tar_files < 1:
-        parser.error("--files and --tar-files must be at least 1")
+    if args.files < 1 or args.tar_files < 1 or args.sqlite_rows < 1:
+        parser.error("--files, --tar-files and --sqlite-rows must be at least 1")
     args.runtimes = (args.runtime_only,) if args.runtime_only else RUNTIMES
     signal.signal(signal.SIGTERM, terminated)  # unwinds like Ctrl-C: everything removed
     load_before = loadavg()
@@ -235,7 +258,7 @@ def main() -> int:
           f"{str(args.host_empty_dir).lower()}, virtio_fs_daemon "
           f"{args.virtio_fs_daemon or default_virtio_fs_daemon()}; load "
           f"average {load_before} before, {loadavg()} after")
-    print("\n".join(table(results, args.files, args.tar_files)))
+    print("\n".join(table(results, args.files, args.tar_files, args.sqlite_rows)))
     print("times in seconds, measured in the container (fsprobe: CLOCK_MONOTONIC; "
           "tar and rm: busybox adjtimex around the command); read 64 MiB follows the "
           "write, nothing dropped")

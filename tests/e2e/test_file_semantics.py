@@ -1,9 +1,11 @@
 """File semantics ordinary programs rely on (issue 29), podvm held to runc through
-containerd's CRI: tests/e2e/fsprobe.c runs every case in a directory of the container's
-root fs, in a read-write hostPath volume and in an emptyDir (a directory shaped as
-kubelet makes one: on podvm the guest's own, shim/host/emptydir.py), in a runc pod (the
-reference: every case must pass there) and in a podvm pod (every case that passes on
-runc must pass there). And the emptyDir as the pod's containers share it.
+containerd's CRI: tests/e2e/fsprobe.c runs every case, and SQLite itself
+(tests/e2e/sqliteprobe.c: inserts, a writer's lock seen by another process) runs, in a
+directory of the container's root fs, in a read-write hostPath volume and in an emptyDir
+(a directory shaped as kubelet makes one: on podvm the guest's own,
+shim/host/emptydir.py), in a runc pod (the reference: every case must pass there) and
+in a podvm pod (every case that passes on runc must pass there). And the emptyDir as
+the pod's containers share it.
 
 Real containerd, QEMU under TCG and the guest image; runs with the real crictl too:
 CRICTL=/path/to/crictl."""
@@ -16,7 +18,7 @@ import tempfile
 import pytest
 
 from shim.config import HypervisorConfig
-from tests.conftest import require_tool
+from tests.conftest import require, require_tool
 from tests.kubeletdirs import binds, kubelet_root, subpath_target, volume_dir  # noqa: F401
 from tests.vmconfig import rust_virtiofsd
 
@@ -26,11 +28,14 @@ from .test_podvm_pods import (configs, cri_containerd, crictl, ctd, pod_qemus,  
                              remove_pod, scratch_disk)
 
 PROBE_SOURCE = pathlib.Path(__file__).with_name("fsprobe.c")
+SQLITE_SOURCE = pathlib.Path(__file__).with_name("sqliteprobe.c")
+SQLITE_LIBRARY = "/usr/lib/x86_64-linux-gnu/libsqlite3.a"
+SQLITE_CASE = "sqlite"  # SQLite itself, beside fsprobe's cases: inserts, and its locks
 ROOT_DIR = "/probe-root-dir"  # made with mkdir in the container's root fs, by run_probe
 VOLUME = "/vol"
 EMPTY_DIR = "/empty"
 PLACES = {"rootfs": ROOT_DIR, "volume": VOLUME, "emptydir": EMPTY_DIR}
-CASES = 16  # fsprobe's, each one line
+CASES = 16 + 1  # fsprobe's, each one line, and SQLITE_CASE
 # Cases runc itself cannot pass here, with why; none today.
 NOT_ON_RUNC: dict[str, str] = {}
 # Cases podvm fails where runc passes, in those places, with why: each must still fail
@@ -45,13 +50,28 @@ KNOWN_GAPS = {
 
 
 def build_probe(directory: pathlib.Path) -> pathlib.Path:
-    """fsprobe, static: the busybox image has no libc."""
+    """fsprobe and sqliteprobe in `directory`, static: the busybox image has no libc
+    (sqliteprobe links Debian's libsqlite3.a)."""
     gcc = require_tool("gcc", "gcc")
-    binary = directory / "fsprobe"
-    built = subprocess.run([gcc, "-static", "-O2", "-o", str(binary), str(PROBE_SOURCE)],
-                           capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, f"gcc -static {PROBE_SOURCE}:\n{built.stderr}"
-    return binary
+    require(pathlib.Path(SQLITE_LIBRARY).is_file(),
+            f"{SQLITE_LIBRARY} (Debian package libsqlite3-dev)")
+    for source, name, libraries in ((PROBE_SOURCE, "fsprobe", []),
+                                    (SQLITE_SOURCE, "sqliteprobe", ["-lsqlite3", "-lm"])):
+        built = subprocess.run([gcc, "-static", "-O2", "-o", str(directory / name),
+                                str(source), *libraries],
+                               capture_output=True, text=True, timeout=180)
+        assert built.returncode == 0, f"gcc -static {source}:\n{built.stderr}"
+    return directory / "fsprobe"
+
+
+def run_sqlite(crictl, cid: str, path: str, rows: int) -> str:  # noqa: F811
+    """sqliteprobe's case line in `path`: "ok sqlite: ..." or "FAIL sqlite: what it said"."""
+    r = crictl.exec(cid, "sh", "-c", f"/probe/sqliteprobe {path} {rows} 2>&1; "
+                                      f"echo \"sqliteprobe exited $?\"", timeout=300)
+    assert r.exit_code == 0 and "sqliteprobe exited" in r.stdout, r
+    said = " ".join(r.stdout.split())
+    good = f"sqlite rows {2 * rows}" in said and "sqlite ok" in said and "exited 0" in said
+    return f"{'ok' if good else 'FAIL'} {SQLITE_CASE}: {said}"
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +130,8 @@ def probe_pod(ctd, crictl, configs, probe_dir, tmp_path_factory,  # noqa: F811
             crictl.start(cid)
             found = {place: cases(run_probe(crictl, cid, "semantics", path))
                      for place, path in PLACES.items()}
+            for place, path in PLACES.items():
+                found[place][SQLITE_CASE] = run_sqlite(crictl, cid, path, 20)
         finally:
             remove_pod(crictl, pod_id)
         assert list(empty_dir.iterdir()) == [], "fsprobe left files in the emptyDir"
@@ -130,11 +152,15 @@ def podvm_cases(ctd, crictl, configs, probe_dir, tmp_path_factory):  # noqa: F81
 
 
 def test_fsprobe_checks_every_case_on_the_host(probe_dir, tmp_path) -> None:
-    """The probe itself, on the host's own file system: every case passes."""
+    """The probes themselves, on the host's own file system: every case passes."""
     out = subprocess.run([str(probe_dir / "fsprobe"), "semantics", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert len(cases(out.stdout)) == CASES and list(tmp_path.iterdir()) == []
+    assert len(cases(out.stdout)) == CASES - 1 and list(tmp_path.iterdir()) == []
+    sqlite = subprocess.run([str(probe_dir / "sqliteprobe"), str(tmp_path), "20"],
+                            capture_output=True, text=True, timeout=120)
+    assert sqlite.returncode == 0 and "sqlite rows 40" in sqlite.stdout, sqlite
+    assert "sqlite busy ok" in sqlite.stdout and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("place", PLACES)
