@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -189,7 +190,9 @@ def table(results: dict[str, dict[str, float]], files: int, tar_files: int,
 
 
 def daemon(args: argparse.Namespace) -> dict[str, str]:
-    return {"virtio_fs_daemon": args.virtio_fs_daemon} if args.virtio_fs_daemon else {}
+    """The shim runs elsewhere: a path it can use from anywhere."""
+    return {"virtio_fs_daemon": os.path.abspath(args.virtio_fs_daemon)} \
+        if args.virtio_fs_daemon else {}
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import statistics
@@ -113,6 +114,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scratch-disk-mib", type=int,
                         default=HypervisorConfig.scratch_disk_mib,
                         help="the pods' scratch disk (scratch_disk_mib; 0: none)")
+    parser.add_argument("--virtio-fs-daemon", metavar="PATH",
+                        help="the pods' virtiofsd (default: the node's, as the shim picks "
+                             "it; build/virtiofsd/virtiofsd: the Rust one `make virtiofsd` "
+                             "fetches)")
     parser.add_argument("--sizes", default="1:256", type=sizes,
                         help="vCPUs:MiB of the pods in turn (default 1:256, the default size)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES), type=runtimes,
@@ -165,6 +170,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[PodCost]], list[list[f
                                    enable_template=not args.no_template,
                                    shared_fs=args.shared_fs,
                                    scratch_disk_mib=args.scratch_disk_mib,
+                                   **({"virtio_fs_daemon":
+                                       os.path.abspath(args.virtio_fs_daemon)}
+                                      if args.virtio_fs_daemon else {}),
                                    template_path=str(work / "templates"),
                                    enable_annotations=("default_vcpus", "default_memory"))
         if not args.cold:
