@@ -18,8 +18,8 @@ class ConfigError(ValueError):
 
 
 VIRTIO_FS_DAEMONS = ("/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd")
-"""The Rust virtiofsd (Debian 13 and later, Ubuntu 24.04, Fedora: FUSE_TMPFILE among the
-rest), then QEMU 7.2's C one (Debian 12's qemu-system-common)."""
+"""The Rust virtiofsd (Debian 13 and later, Ubuntu 24.04, Fedora: the maintained one),
+then QEMU 7.2's C one (Debian 12's qemu-system-common; QEMU 8.0 dropped it)."""
 
 
 def default_virtio_fs_daemon() -> str:

@@ -1,9 +1,10 @@
 """The pod's file server: a virtiofsd per pod that serves its shared directory (the
 read-only view shim/host/share.py builds, with each container's rootfs and volumes
 attached in it) to the guest's virtio-fs device over a vhost-user socket in the VM's work
-directory. Started before QEMU, with QEMU's `preexec` (the sandbox cgroup, so what it
-uses is the pod's); it ends by itself when QEMU's connection goes, and is killed with the
-VM otherwise.
+directory. Started with QEMU's `preexec` (the sandbox cgroup, so what it uses is the
+pod's), before a booted QEMU, which connects at once, and beside a restored one, which
+gets its device after the state (start_soon, ready); it ends by itself when QEMU's
+connection goes, and is killed with the VM otherwise.
 
 Either daemon: the Rust one (/usr/libexec/virtiofsd, the default where it is installed:
 shim/config.py) or QEMU 7.2's C one, each told the same in its own words (command()).
@@ -51,11 +52,12 @@ _LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags
 def command(spec: VMSpec, separate_options: bool) -> list[str]:
     """virtiofsd's command line: a daemon that announces "separate-options" (the Rust
     one: /usr/libexec/virtiofsd on Debian 13 and Ubuntu 24.04) takes each option as its
-    own flag; QEMU 7.2's C daemon takes them as `-o` words. Where their
-    behaviour differs: the C one holds the guest's record and whole-file locks in the
-    host's kernel (posix_lock, flock), the Rust one has no such option and the guest's
-    kernel keeps them among the guest's own processes (the pod's containers are all
-    there); only the Rust one serves FUSE_TMPFILE (O_TMPFILE in a volume)."""
+    own flag; QEMU 7.2's C daemon takes them as `-o` words. Where their behaviour
+    differs: the C one holds the guest's record and whole-file locks in the host's kernel
+    (posix_lock, flock), the Rust one has no such option and the guest's kernel keeps
+    them among the guest's own processes (the pod's containers are all there). Neither
+    serves FUSE_TMPFILE (the Rust one's 1.13 answers ENOSYS): O_TMPFILE in a volume
+    fails in the guest whichever runs."""
     q = spec.hypervisor
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1_000_000)
     sock = f"--socket-path={virtio_fs_socket(spec.workdir)}"
