@@ -23,7 +23,7 @@ import time
 import tomllib
 import uuid
 
-from tests.conftest import run_namespace
+from tests.conftest import compile_shim, run_namespace
 
 from . import bridgenet, image
 
@@ -130,6 +130,7 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
 
     def _start(self, timeout: float) -> "Containerd":
         self.config.write_text(self.config_text())
+        compile_shim()  # the benches' and the demo's shims run as a node's would
         self._cgroups_before = set(cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace))
         env = dict(os.environ, PATH=f"{SHIM_BIN_DIR}:{os.environ.get('PATH', '')}")
         self._log = open(self.log_path, "ab")
