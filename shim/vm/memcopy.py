@@ -19,10 +19,14 @@ import errno
 import hashlib
 import mmap
 import os
+import queue
 import struct
 import sys
+import threading
+from typing import Callable
 
-CHUNK = 4 << 20
+CHUNK = 2 << 20
+BUFFERS = 4  # read ahead: 8 MiB, for the copier's short life
 ALIGN = 4096  # O_DIRECT's unit, and a page: a multiple of every logical block size in use
 ZERO_PAGE = bytes(ALIGN)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -46,20 +50,63 @@ def extents(fd: int):
 def hashed(fd: int, h, buffer: memoryview):
     """(offset, bytes read) of every data extent's chunks, read into `buffer` (as long as
     CHUNK) and hashed into `h` as they go (None: not hashed)."""
-    for offset, length in extents(fd):
+    def header(data: bytes) -> None:
         if h is not None:
-            h.update(struct.pack("<QQ", offset, length))
+            h.update(data)
+
+    for offset, chunk in _reads(fd, lambda: buffer, header):
+        if h is not None:
+            h.update(chunk)
+        yield offset, chunk
+
+
+def _reads(fd: int, take: Callable[[], memoryview], extent: Callable[[bytes], None]):
+    """(offset, bytes read) of every data extent's chunks, each read into the buffer
+    take() gives (as long as CHUNK); extent() is given each extent's header first."""
+    for offset, length in extents(fd):
+        extent(struct.pack("<QQ", offset, length))
         done = 0
         while done < length:
+            buffer = take()
             # O_DIRECT reads whole blocks: the file's last one may go past its end.
             want = min(CHUNK, -(-(length - done) // ALIGN) * ALIGN)
             got = min(os.preadv(fd, [buffer[:want]], offset + done), length - done)
             if got <= 0:
                 raise OSError(errno.EIO, f"ended at {offset + done}, not {offset + length}")
-            if h is not None:
-                h.update(buffer[:got])
             yield offset + done, buffer[:got]
             done += got
+
+
+def read_ahead(fd: int, h):
+    """hashed()'s chunks, hashed into `h`, read by a thread of its own into BUFFERS
+    buffers in turn: the next are read from the disk while the caller copies this one
+    (the disk's reads take about as long as the hash and the copy together). A chunk is
+    the caller's until it asks for the next."""
+    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    full: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(BUFFERS):
+        free.put(memoryview(mmap.mmap(-1, CHUNK)))  # page-aligned, as O_DIRECT wants
+
+    def read() -> None:
+        try:
+            for offset, chunk in _reads(fd, free.get, full.put):
+                full.put((offset, chunk))
+            full.put(None)
+        except BaseException as exc:  # the caller's to raise
+            full.put(exc)
+
+    # A daemon: a caller that stops early (its copy failed) ends the process.
+    threading.Thread(target=read, name="read-ahead", daemon=True).start()
+    while (item := full.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, bytes):  # an extent's header
+            h.update(item)
+            continue
+        offset, chunk = item
+        h.update(chunk)
+        yield offset, chunk
+        free.put(memoryview(chunk.obj))  # the whole buffer again
 
 
 def dig_holes(path: str) -> int:
@@ -110,13 +157,12 @@ def open_direct(path: str) -> int:
 def copy(path: str, size: int, sha256: str, memfd: int) -> str:
     """`path` into `memfd`; "" when done and unchanged, else what is wrong."""
     fd = open_direct(path)
-    view = memoryview(mmap.mmap(-1, CHUNK))  # page-aligned, as O_DIRECT wants
     try:
         if os.fstat(fd).st_size != size:
             return f"{path} is {os.fstat(fd).st_size} bytes, not {size}"
         os.ftruncate(memfd, size)
         h = hashlib.sha256()
-        for offset, chunk in hashed(fd, h, view):
+        for offset, chunk in read_ahead(fd, h):
             os.pwrite(memfd, chunk, offset)
         return changed(path, h.hexdigest(), sha256)
     finally:

@@ -190,6 +190,28 @@ def test_a_memory_of_many_chunks_is_copied_whole_as_it_is_read_ahead(tmp_path) -
         os.close(memfd)
 
 
+def test_a_read_that_fails_in_the_reading_thread_fails_the_copy(tmp_path, monkeypatch) -> None:
+    memory = tmp_path / "m.ram"
+    memory.write_bytes(os.urandom(6 * memcopy.CHUNK))
+    reads = []
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        reads.append(offset)
+        if len(reads) == 3:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(memcopy.os, "preadv", failing)
+    memfd = os.memfd_create("t")
+    try:
+        with pytest.raises(OSError, match="Input/output error"):
+            memcopy.copy(str(memory), 6 * memcopy.CHUNK, "0" * 64, memfd)
+    finally:
+        os.close(memfd)
+    assert len(reads) == 3  # the reading thread stopped at its error
+
+
 def test_pages_of_zeros_in_a_saved_memory_become_holes(tmp_path) -> None:
     """Pages the guest touched and left zero are neither kept, copied nor charged."""
     memory = tmp_path / "m.ram"
