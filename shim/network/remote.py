@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Callable
 
 from .errors import NamespaceGone, NetworkError
 from .model import PodNetwork, TapNic
@@ -46,10 +47,21 @@ class Worker:
             theirs.close()
         return cls(proc, ours)
 
-    async def attach(self, netns: str) -> tuple[PodNetwork, tuple[TapNic, ...]]:
+    async def attach(self, netns: str, found: Callable[[PodNetwork], None] | None = None
+                     ) -> tuple[PodNetwork, tuple[TapNic, ...]]:
         """The pod's network as CNI left it, and one TapNic per interface, whose
-        descriptors the caller owns (TapNic.close() once QEMU has them)."""
+        descriptors the caller owns (TapNic.close() once QEMU has them). `found` is
+        given the network as soon as the worker has read it, before the taps are made."""
         reply, fds = await self._call("attach", netns)
+        if "found" in reply:
+            try:
+                network = _network(reply["found"])
+            except ValueError as exc:
+                raise NetworkError(netns, "read the network worker's answer",
+                                   repr(exc)) from None
+            if found is not None:
+                found(network)
+            reply, fds = await self._answer("attach", netns)
         return _nics(netns, reply, fds)
 
     async def detach(self, netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
@@ -74,6 +86,10 @@ class Worker:
             self._sock.send(_request(op, netns, taps))
         except OSError:
             pass  # it died first: its status and stderr say how
+        return await self._answer(op, netns)
+
+    async def _answer(self, op: str, netns: str) -> tuple[dict, list[int]]:
+        """The worker's next message."""
         await _readable(self._sock)
         data, fds = _receive(self._sock)
         if not data:
@@ -117,12 +133,17 @@ def _request(op: str, netns: str, taps: list[str] | tuple[str, ...]) -> bytes:
     return json.dumps({"op": op, "netns": netns, "taps": list(taps)}).encode()
 
 
-def _nics(netns: str, reply: dict, fds: list[int]) -> tuple[PodNetwork, tuple[TapNic, ...]]:
+def _network(data: object) -> PodNetwork:
+    """ValueError when `data` is not a PodNetwork's JSON."""
     # Here, not at the top: the daemon starts a worker before it loads the pod's model.
     from ..host.podstate import dataclass_from_json
 
+    return dataclass_from_json(PodNetwork, data, "the network worker's answer")
+
+
+def _nics(netns: str, reply: dict, fds: list[int]) -> tuple[PodNetwork, tuple[TapNic, ...]]:
     try:
-        network = dataclass_from_json(PodNetwork, reply["network"], "the network worker's answer")
+        network = _network(reply["network"])
         nics, taken = [], 0
         for n in reply["nics"]:
             tap_fd = fds[taken]

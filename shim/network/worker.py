@@ -9,7 +9,9 @@ shim's keep the taps alive until QEMU has its own.
 
 It starts before it is needed and waits, its imports done, for its one request on that
 socket: {"op": "attach" | "detach", "netns": PATH, "taps": [NAME, ...]}. The socket
-closed without one, it exits having done nothing.
+closed without one, it exits having done nothing. An attach says what it found first,
+{"found": NETWORK}, before it makes the taps: the shim picks the pod's template from the
+interfaces and starts copying its memory meanwhile.
 
 usage: python -m shim.network.worker --socket FD"""
 from __future__ import annotations
@@ -35,8 +37,9 @@ def answer_error(exc: NetworkError) -> dict:
                       "gone": isinstance(exc, NamespaceGone)}}
 
 
-async def _attach(netns: str) -> tuple[dict, list[int]]:
+async def _attach(netns: str, sock: socket.socket) -> tuple[dict, list[int]]:
     network = await read_network(netns)
+    sock.send(json.dumps({"found": dataclasses.asdict(network)}).encode())
     nics = await attach(network)
     fds: list[int] = []
     for nic in nics:
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     fds: list[int] = []
     try:
         if request["op"] == "attach":
-            reply, fds = asyncio.run(_attach(request["netns"]))
+            reply, fds = asyncio.run(_attach(request["netns"], sock))
         else:
             asyncio.run(detach(request["netns"], request["taps"]))
             reply = {"ok": True}

@@ -9,10 +9,13 @@ import abc
 import asyncio
 import enum
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..config import HypervisorConfig
 from ..network.model import PlaceholderNic, TapNic
+
+if TYPE_CHECKING:
+    from .stateload import MemoryCopy
 
 
 class HypervisorError(Exception):
@@ -144,13 +147,15 @@ class VM(abc.ABC):
 
     @abc.abstractmethod
     async def launch(self, preexec: Callable[[], None] | None = None,
-                     restore_from: SavedVM | None = None) -> None:
+                     restore_from: SavedVM | None = None,
+                     memory: MemoryCopy | None = None) -> None:
         """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
         enters there) and return once the guest agent's port is open; BootTimeout (VM
         killed) when the guest does not get there in time. `restore_from`: a saved VM
         (save()) loaded instead of booting the guest, into a VM whose spec has
         `template` set; RestoreFailed (VM stopped) when a file of it changed since it
-        was saved, or the VMM refuses it."""
+        was saved, or the VMM refuses it. `memory`: the copy of `restore_from`'s memory,
+        started by the caller (else launch starts it), the VM's from then on."""
 
     @abc.abstractmethod
     async def save(self, path: str) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 from ..config import Config
 from ..host import mounts, paths
@@ -28,12 +28,15 @@ from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
 from . import guestspec, vmm
 from .resize import MachineResize
-from . import template as templates, templatemaker
+from .restore import MachineRestore
+from . import template as templates
 from .agent import Agent
-from .hypervisor import VM, HypervisorError, RestoreFailed, VMSpec, template_mac
+from .hypervisor import VM, HypervisorError, VMSpec
 
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
+
+    from .stateload import MemoryCopy
 
     from ..network.portforward import PortForwarder
 
@@ -41,7 +44,7 @@ log = logging.getLogger("podvm.machine")
 T = TypeVar("T")
 
 
-class Machine(MachineResize):
+class Machine(MachineResize, MachineRestore):
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "",
                  pod_name: tuple[str, str] = ("", "")) -> None:
@@ -71,6 +74,8 @@ class Machine(MachineResize):
         self._untemplated: VMSpec | None = None
         """The shape of a VM that booted for want of a template (make_template)."""
         self._template_maker: asyncio.Task | None = None
+        self._ahead: tuple[str, MemoryCopy] | None = None
+        """The template's key and its memory's copy, started before the VM (copy_ahead)."""
         self.vcpu_pins: list[frozenset[int]] = []
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
 
@@ -126,7 +131,8 @@ class Machine(MachineResize):
         try:
             if self.netns:
                 assert network_worker is not None
-                nics = await self._attach_network(network_worker)
+                nics = await self._attach_network(
+                    network_worker, lambda network: self.copy_ahead(spec, network))
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
             started = time.monotonic()
             try:
@@ -197,20 +203,6 @@ class Machine(MachineResize):
             *([self._forward_ports()] if self.netns else []))
         return info
 
-    async def _resume(self, template: templates.Template, vm: VM, timeout: float) -> None:
-        """The restored guest made this pod's (its agent's Resume); the template discarded
-        when its guest cannot be."""
-        assert self.agent is not None and self.vm is not None
-        started = time.monotonic()
-        try:
-            await self.agent.resume_restored(
-                {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
-        except Exception as exc:
-            if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
-                template.discard(f"the guest restored from it did not resume: {exc}")
-            raise
-        log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
-
     async def _boot_failed(self, vm: VM, exc: BaseException) -> None:
         """Undo the boot; QEMU dying after launch shows up as a broken agent or QMP call:
         then how QEMU ended is raised instead, in its own words (else the caller
@@ -222,40 +214,6 @@ class Machine(MachineResize):
         await self.shutdown()
         if gone is not None:
             raise gone from None
-
-    async def _launch(self, vm: VM) -> templates.Template | None:
-        """Start `vm`: restored from its shape's template when there is one, else booted
-        at once (its shape's template is then made in the background: make_template);
-        the template restored, None when booted. self.vm is the VM started (or being
-        started)."""
-        preexec = self.cgroup.preexec()
-        # A static VM is the confidential one: it shares no memory with other pods.
-        shape = None if self.config.runtime.static_sandbox_resource_mgmt else \
-            templatemaker.class_of(vm.spec)
-        if shape is not None:
-            template = templates.of(shape)
-            if template.exists():
-                self.vm = restored = vmm.create(dataclasses.replace(shape, template=True))
-                try:
-                    await restored.launch(preexec=preexec, restore_from=template.saved())
-                    log.info("sandbox %s: VM restored from template %s", self.id,
-                             template.key)
-                    template.record_use()
-                    return template
-                except RestoreFailed as exc:
-                    template.discard(str(exc))
-            self._untemplated = shape
-        self.vm = vm
-        await vm.launch(preexec=preexec)
-        return None
-
-    def make_template(self) -> None:
-        """After a boot that found no template of its shape: that template made in the
-        background (in its own cgroup, shim/vm/templatemaker.py), for the next pod;
-        cancelled by shutdown() if the pod goes first."""
-        if self._untemplated is not None and self._template_maker is None:
-            self._template_maker = asyncio.create_task(templatemaker.make_in_background(
-                self._untemplated, self.id, lambda cg: self.record(template_cgroup=cg)))
 
     async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
         """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""
@@ -272,10 +230,11 @@ class Machine(MachineResize):
         await self.pin()
         self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
 
-    async def _attach_network(self, worker: remote.Worker) -> tuple[TapNic, ...]:
+    async def _attach_network(self, worker: remote.Worker,
+                              found: Callable[[PodNetwork], None]) -> tuple[TapNic, ...]:
         """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
-        caller's to hand to QEMU and close."""
-        network, nics = await worker.attach(self.netns)
+        caller's to hand to QEMU and close. `found`: given the interfaces first."""
+        network, nics = await worker.attach(self.netns, found)
         self.record(network=network, taps=tuple(n.tap for n in nics))
         for itf in network.interfaces:
             log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,
@@ -368,6 +327,7 @@ class Machine(MachineResize):
             await asyncio.gather(self._template_maker, return_exceptions=True)
         if self.vm is not None:
             await self.vm.stop(timeout=5)
+        await self.drop_ahead()  # its copier is in the sandbox cgroup
         if self.state.netns:
             try:
                 await remote.detach(self.state.netns, self.state.taps)

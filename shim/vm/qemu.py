@@ -21,6 +21,7 @@ from ..host.processes import peek_exit
 from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
                scratchdisk)
 from .console import ConsoleLog
+from .stateload import MemoryCopy
 from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, SavedVM, ThreadRole, VM,
                          VMExited, VMSpec)
 from .virtiofsd import FileServer
@@ -87,7 +88,8 @@ class QemuVM(VM):
     def helper_pids(self) -> list[int]:
         return self._files.pids() if self._files is not None else []
 
-    async def launch(self, preexec=None, restore_from: SavedVM | None = None) -> None:
+    async def launch(self, preexec=None, restore_from: SavedVM | None = None,
+                     memory: MemoryCopy | None = None) -> None:
         """`restore_from`: a template's saved VM (shim/vm/template.py) that QEMU loads
         instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()
@@ -98,7 +100,8 @@ class QemuVM(VM):
         memfd = disk = -1
         try:
             # The RAM's copy first: a restore's longest step, which all the rest overlaps.
-            memfd, self._memory = qemu_state.open_memory(self.spec, restore_from, preexec)
+            memfd, self._memory = qemu_state.open_memory(self.spec, restore_from, preexec,
+                                                         memory)
             if self.spec.hypervisor.shared_fs == "virtio-fs" and not self.spec.saved:
                 self._files = FileServer(self.spec)
                 self._files.start_soon(preexec)

@@ -2,7 +2,8 @@
 migration stream over a descriptor passed on QMP, without memory. The guest's RAM is
 shared (virtiofsd maps it), and shared RAM is what x-ignore-shared leaves out: a
 template's RAM is the file its VM ran on (hypervisor.memory_file beside the state), and a
-restored VM runs on a copy of it, a memfd the shim fills while QEMU starts. Both files are
+restored VM runs on a copy of it, a memfd the shim fills while QEMU starts (from before
+then where the template was known earlier: stateload.MemoryCopy). Both files are
 checked against their digests as they are read (shim/vm/stateload.py). The root image's
 memory is not saved either: every VM maps the same file."""
 from __future__ import annotations
@@ -39,18 +40,18 @@ async def load(qmp: QMPClient, execute: Execute, saved: SavedVM) -> None:
 
 
 def open_memory(spec: VMSpec, restore_from: SavedVM | None,
-                preexec: Callable[[], None] | None
+                preexec: Callable[[], None] | None,
+                ahead: stateload.MemoryCopy | None = None
                 ) -> tuple[int, asyncio.Future[None] | None]:
     """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
     and the copy under way into it (in the pod's sandbox cgroup, `preexec`): a memfd
-    filled from the template's memory (and checked) for a restore; the template's
-    memory file, made new (never an existing file or a symlink's target), for a VM to
-    be saved."""
+    filled from the template's memory (and checked) for a restore, `ahead` where the
+    caller started it already; the template's memory file, made new (never an existing
+    file or a symlink's target), for a VM to be saved."""
     if restore_from is not None:
-        memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
-        return memfd, asyncio.ensure_future(stateload.copy_memory(
-            restore_from.memory, os.dup(memfd), spec.memory_mib << 20,
-            restore_from.memory_sha256, preexec))
+        if ahead is None:
+            ahead = stateload.MemoryCopy(restore_from, spec.memory_mib << 20, preexec)
+        return ahead.take()
     if spec.memory_path:
         return os.open(spec.memory_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                        | os.O_CLOEXEC, 0o600), None

@@ -21,7 +21,7 @@ import sys
 from typing import Awaitable, Callable
 
 from . import memcopy
-from .hypervisor import RestoreFailed
+from .hypervisor import RestoreFailed, SavedVM
 
 FD_NAME = "template"
 
@@ -79,6 +79,34 @@ async def copy_memory(path: str, memfd: int, size: int, sha256: str,
     if copier.returncode:
         raise RestoreFailed(f"the template's memory: "
                             f"{said.decode(errors='replace').strip() or copier.returncode}")
+
+
+class MemoryCopy:
+    """A saved VM's memory being copied into a memfd of its own (copy_memory), started
+    before the VM that will run on it where the caller knows the template early: the
+    copy is a restore's longest step. The VM take()s the memfd and the copy (then they
+    are its to close and stop); close() stops one no VM took."""
+
+    def __init__(self, saved: SavedVM, size: int, preexec: Callable[[], None] | None
+                 ) -> None:
+        self.saved = saved
+        self.taken = False
+        self.memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
+        self.done: asyncio.Future[None] = asyncio.ensure_future(copy_memory(
+            saved.memory, os.dup(self.memfd), size, saved.memory_sha256, preexec))
+
+    def take(self) -> tuple[int, asyncio.Future[None]]:
+        self.taken = True
+        return self.memfd, self.done
+
+    async def close(self) -> None:
+        """The copy stopped (its process killed and waited for: it is in the pod's
+        cgroup) and the memfd closed, unless a VM took them. Idempotent."""
+        if not self.taken:
+            self.taken = True
+            self.done.cancel()
+            await asyncio.gather(self.done, return_exceptions=True)
+            os.close(self.memfd)
 
 
 async def load(data: bytes, send_fd: Callable[[int], Awaitable[None]],

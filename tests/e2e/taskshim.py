@@ -117,13 +117,13 @@ class EventSink:
 
 
 @contextlib.asynccontextmanager
-async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
-                    runtime: dict | None = None, netns: str = "", **qemu: object):
-    """A pod's shim started as containerd starts it, with the sandbox container created
-    (and its cgroup under the parent of `cgroups_path`, by default a pod cgroup of the
-    test's own; in the network namespace at `netns`, as CNI leaves one, else in one of
-    its own with no interface); everything stopped and removed afterwards, the pod
-    cgroup included."""
+async def shim_daemon(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
+                      runtime: dict | None = None, netns: str = "", **qemu: object):
+    """A pod's shim started as containerd starts it, its sandbox container (bundle
+    `sb`) not created yet: with its cgroup under the parent of `cgroups_path`, by
+    default a pod cgroup of the test's own; in the network namespace at `netns`, as CNI
+    leaves one, else in one of its own with no interface. Afterwards `delete` kills the
+    daemon whatever happened, and the pod cgroup is removed."""
     require_root()
     grpc = str(tmp_path / "containerd.sock")
     sink = EventSink()
@@ -146,8 +146,23 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
     options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", runtime, **qemu))))
     ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
            "grpc": grpc, "bundle": bundle, "events": sink.events,
-           "deleted": sink.deleted}
-    try:  # from here on, `delete` in `finally` kills the daemon whatever happened
+           "deleted": sink.deleted, "cgroups_path": cgroups_path}
+    try:
+        yield ctx
+    finally:
+        await client.close()
+        await events_server.close()
+        run_shim(bundle, "sb", "delete", grpc, namespace=NS)
+        remove_cgroup_dirs(cgroups_path.rsplit("/", 1)[0], "/podvm_overhead")
+
+
+@contextlib.asynccontextmanager
+async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
+                    runtime: dict | None = None, netns: str = "", **qemu: object):
+    """shim_daemon's shim with the sandbox container created and started; stopped and
+    removed afterwards as containerd does, checked to be gone."""
+    async with shim_daemon(tmp_path, rootfs, cgroups_path, runtime, netns, **qemu) as ctx:
+        client, bundle, sink_events = ctx["client"], ctx["bundle"], ctx["events"]
         try:
             await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))
         except Exception:
@@ -168,14 +183,9 @@ async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: 
             pass  # containerd takes a closed connection during Shutdown as success
         await wait_gone(pid, timeout=60)
         assert not os.path.exists(f"/run/podvm/{NS}/sb")
-        sandbox_events = [t for t, _ in sink.events]
+        sandbox_events = [t for t, _ in sink_events]
         assert sandbox_events[:2] == ["/tasks/create", "/tasks/start"]
         assert sandbox_events[-2:] == ["/tasks/exit", "/tasks/delete"]
-    finally:
-        await client.close()
-        await events_server.close()
-        run_shim(bundle, "sb", "delete", grpc, namespace=NS)
-        remove_cgroup_dirs(cgroups_path.rsplit("/", 1)[0], "/podvm_overhead")
 
 
 def remove_cgroup_dirs(*paths: str) -> None:

@@ -6,17 +6,23 @@ leaves neither tap nor ingress qdisc in the namespace. Both namespaces are the t
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import subprocess
 import time
 from typing import Iterator
 
+import psutil
 import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
+from podvm_core.ttrpc import TtrpcError
+from tests.contract.shimproc import daemon_pid
 from tests.network.conftest import PEER_MAC, POD_MAC, Namespace, _namespace
+from tests.vmconfig import vm_config, warm
 
-from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+from .taskshim import (NS, Fifos, busybox_rootfs, call, create, shim_daemon, task_shim,
+                       workload_bundle)
 
 PODVMCTL = pathlib.Path(__file__).resolve().parents[2] / ".venv" / "bin" / "podvmctl"
 
@@ -114,5 +120,36 @@ async def test_the_vm_is_the_pod_on_its_network(tmp_path, rootfs, netns) -> None
         await call(shim, "Kill", api.KillRequest(id="web", signal=9))
         await call(shim, "Wait", api.WaitRequest(id="web"), api.WaitResponse)
         await call(shim, "Delete", api.DeleteRequest(id="web"), api.DeleteResponse)
+    assert sorted(pod.links()) == ["eth0", "lo"]
+    assert [q for q in pod.qdiscs("eth0") if q["kind"] == "ingress"] == []
+
+
+async def test_an_attach_that_fails_while_the_template_is_copied_leaves_nothing(
+        tmp_path, rootfs, netns) -> None:
+    """A pod whose shape has a template copies the template's memory while its taps are
+    made (shim/vm/restore.py, copy_ahead); an attach that fails then stops the copy,
+    whose process is in the sandbox cgroup, and the pod leaves nothing behind."""
+    pod, _ = netns
+    q = vm_config().qemu
+    await asyncio.to_thread(warm, q, f"{q.default_vcpus}:{q.default_memory}:1:1400")
+    pod.ip("link", "add", "tap0_podvm", "type", "bridge")  # in the way of podvm's tap
+    async with shim_daemon(tmp_path, rootfs, netns=pod.path) as shim:
+        with pytest.raises(TtrpcError) as err:
+            await create(shim, "sb", shim["bundle"], Fifos(tmp_path, "sb"))
+        assert "tap0_podvm" in err.value.message, err.value.message
+        log = (shim["bundle"] / "log").read_text()
+        assert "memory copied ahead" in log, log  # the path under test was taken
+        copiers = [p.pid for p in psutil.process_iter(["cmdline"])
+                   if any(a.endswith("/shim/vm/memcopy.py") for a in p.info["cmdline"] or [])]
+        assert copiers == []
+        daemon = daemon_pid(NS, "sb")  # up: containerd has not deleted it yet
+        fds = pathlib.Path(f"/proc/{daemon}/fd")
+        memfds = [os.readlink(fd) for fd in fds.iterdir() if "memfd:" in os.readlink(fd)]
+        assert memfds == []  # the guest's RAM it filled is closed
+        pod_cgroup = shim["cgroups_path"].rsplit("/", 1)[0].strip("/")
+        for hierarchy in ("memory", "cpu", "cpuset"):
+            left = pathlib.Path("/sys/fs/cgroup", hierarchy, pod_cgroup)
+            assert not left.exists() or [d for d in left.iterdir() if d.is_dir()] == []
+    pod.ip("link", "delete", "tap0_podvm")
     assert sorted(pod.links()) == ["eth0", "lo"]
     assert [q for q in pod.qdiscs("eth0") if q["kind"] == "ingress"] == []

@@ -54,6 +54,38 @@ async def test_worker_errors_come_back_typed(pod: Namespace) -> None:
     await remote.detach("/var/run/netns/podvm-no-such-namespace")  # gone: nothing to do
 
 
+async def test_attach_says_what_it_found_before_it_answers(pod: Namespace) -> None:
+    """The worker sends the interfaces before it makes the taps: the shim picks the
+    pod's template from them and copies its memory meanwhile (shim/vm/restore.py,
+    copy_ahead)."""
+    seen = []
+    worker = await remote.Worker.start()
+    try:
+        network, nics = await worker.attach(pod.path, seen.append)
+    finally:
+        await worker.close()
+    for nic in nics:
+        nic.close()
+    assert seen == [network] and network.interfaces[0].mtu == 1400
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+
+
+async def test_an_attach_that_fails_after_it_found_the_network_is_typed(pod: Namespace) -> None:
+    """What the caller started on `found` is its to stop: the error still comes back."""
+    pod.ip("link", "add", "tap0_podvm", "type", "bridge")  # in the way of podvm's tap
+    seen = []
+    worker = await remote.Worker.start()
+    try:
+        with pytest.raises(NetworkError, match="tap0_podvm"):
+            await worker.attach(pod.path, seen.append)
+    finally:
+        await worker.close()
+    assert [len(n.interfaces) for n in seen] == [1]
+    pod.ip("link", "delete", "tap0_podvm")
+    assert_nothing_of_podvm(pod)
+
+
 async def test_a_worker_started_ahead_waits_for_its_request(pod: Namespace) -> None:
     worker = await remote.Worker.start()
     await asyncio.sleep(1)  # its imports done, it waits: nothing is made before asked

@@ -9,12 +9,13 @@ import json
 import os
 import pathlib
 import subprocess
+import time
 
 import psutil
 import pytest
 
 from shim.vm.agent import Agent
-from shim.vm.hypervisor import RestoreFailed, VMSpec
+from shim.vm.hypervisor import RestoreFailed, SavedVM, VMSpec
 from shim.vm import memcopy, stateload
 from shim.vm import template as templates
 from shim.vm import templatestore
@@ -210,6 +211,39 @@ def test_a_read_that_fails_in_the_reading_thread_fails_the_copy(tmp_path, monkey
     finally:
         os.close(memfd)
     assert len(reads) == 3  # the reading thread stopped at its error
+
+
+async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path) -> None:
+    """A copy the Machine starts before the VM (shim/vm/restore.py, copy_ahead): taken,
+    its memfd and copy are the VM's; closed untaken, its process (in the pod's cgroup,
+    which goes next) is killed and waited for, and its memfd closed."""
+    memory = tmp_path / "m.ram"
+    memory.write_bytes(os.urandom(1 << 20))
+    saved = SavedVM(state=str(memory)[:-len(".ram")], state_sha256="",
+                    memory_sha256=stateload.digest(str(memory)))
+    assert saved.memory == str(memory)
+    taken = stateload.MemoryCopy(saved, 1 << 20, None)
+    memfd, done = taken.take()
+    await done
+    await taken.close()  # the VM's: nothing to do here
+    assert os.pread(memfd, 1 << 20, 0) == memory.read_bytes()
+    os.close(memfd)
+
+    ours = psutil.Process()
+    fifo = tmp_path / "stalled.ram"
+    os.mkfifo(fifo)  # the copier's open waits for a writer that never comes
+    stalled = stateload.MemoryCopy(dataclasses.replace(saved, state=str(fifo)[:-4]),
+                                   1 << 20, None)
+    await asyncio.sleep(0.5)
+    (copier,) = [p for p in ours.children() if p.status() != psutil.STATUS_ZOMBIE]
+    started = time.monotonic()
+    await stalled.close()
+    assert time.monotonic() - started < 5
+    assert not psutil.pid_exists(copier.pid) or copier.status() == psutil.STATUS_ZOMBIE
+    assert stalled.done.cancelled()
+    with pytest.raises(OSError):
+        os.fstat(stalled.memfd)
+    await stalled.close()  # twice: nothing to do
 
 
 def test_pages_of_zeros_in_a_saved_memory_become_holes(tmp_path) -> None:
