@@ -9,13 +9,10 @@ import abc
 import asyncio
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from ..config import HypervisorConfig
 from ..network.model import PlaceholderNic, TapNic
-
-if TYPE_CHECKING:
-    from .stateload import MemoryCopy
 
 
 class HypervisorError(Exception):
@@ -107,6 +104,14 @@ class SavedVM:
         return memory_file(self.state)
 
 
+class MemoryAhead(Protocol):
+    """A saved VM's memory being copied before its VM is launched (shim/vm/stateload.py
+    MemoryCopy): launch() takes the descriptor and the copy under way."""
+    saved: SavedVM
+
+    def take(self) -> tuple[int, asyncio.Future[None]]: ...
+
+
 def template_mac(index: int) -> str:
     """NIC `index`'s MAC in a template's VM and in those restored from it (locally
     administered, "pod" in its middle); the agent's Resume gives each NIC the pod's."""
@@ -148,7 +153,7 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def launch(self, preexec: Callable[[], None] | None = None,
                      restore_from: SavedVM | None = None,
-                     memory: MemoryCopy | None = None) -> None:
+                     memory: MemoryAhead | None = None) -> None:
         """Start the VMM (running `preexec` in the child before exec: the sandbox cgroup
         enters there) and return once the guest agent's port is open; BootTimeout (VM
         killed) when the guest does not get there in time. `restore_from`: a saved VM

@@ -21,9 +21,8 @@ from ..host.processes import peek_exit
 from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
                scratchdisk)
 from .console import ConsoleLog
-from .stateload import MemoryCopy
-from .hypervisor import (BootTimeout, HypervisorError, RestoreFailed, SavedVM, ThreadRole, VM,
-                         VMExited, VMSpec)
+from .hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
+                         ThreadRole, VM, VMExited, VMSpec)
 from .virtiofsd import FileServer
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
@@ -89,7 +88,7 @@ class QemuVM(VM):
         return self._files.pids() if self._files is not None else []
 
     async def launch(self, preexec=None, restore_from: SavedVM | None = None,
-                     memory: MemoryCopy | None = None) -> None:
+                     memory: MemoryAhead | None = None) -> None:
         """`restore_from`: a template's saved VM (shim/vm/template.py) that QEMU loads
         instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()

@@ -15,7 +15,7 @@ from typing import Callable
 from qemu.qmp import ExecuteError, QMPClient
 
 from . import stateload
-from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec
+from .hypervisor import HypervisorError, MemoryAhead, RestoreFailed, SavedVM, VMSpec
 from .qemu_query import Execute
 
 # Both ends of a save: shared memory (the guest's RAM, the root image) is not in the state.
@@ -41,7 +41,7 @@ async def load(qmp: QMPClient, execute: Execute, saved: SavedVM) -> None:
 
 def open_memory(spec: VMSpec, restore_from: SavedVM | None,
                 preexec: Callable[[], None] | None,
-                ahead: stateload.MemoryCopy | None = None
+                ahead: MemoryAhead | None = None
                 ) -> tuple[int, asyncio.Future[None] | None]:
     """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
     and the copy under way into it (in the pod's sandbox cgroup, `preexec`): a memfd
