@@ -1,15 +1,9 @@
 """A template's memory copied into the memfd a restored VM runs on, and hashed in the
 same pass. The shim runs this file as a process of its own (`python -I -S`, standard
 library only: it imports nothing of podvm) started in the pod's sandbox cgroup, so the
-pages it writes are charged to the pod whichever cgroup the shim is in.
-
-A template's files are read as Pages: from the host's page cache where their pages are
-resident there (a read that never waits: RWF_NOWAIT), past it (O_DIRECT) where they are
-not. So no read brings a page of a template into the cache, and none is charged to
-the pod or shim that read it: the cached pages are those QEMU wrote as it made the
-template, charged to the template's cgroup (shim/vm/templatemaker.py), which is the
-node's. A template in the cache is copied from memory (the disk's reads were most of
-the copy); one the kernel has evicted is read from the disk, as before.
+pages it writes are charged to the pod whichever cgroup the shim is in; it reads past
+the host's page cache (O_DIRECT) where the file system allows it, so nothing is charged
+to the first pod that read the template either.
 
 The digest of a file (shim/vm/stateload.py records and checks it) is SHA-256 over its
 data extents, each as its offset and length (8 bytes each, little-endian) then its
@@ -22,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import hashlib
 import mmap
 import os
@@ -37,67 +30,6 @@ BUFFERS = 4  # read ahead: 8 MiB, for the copier's short life
 ALIGN = 4096  # O_DIRECT's unit, and a page: a multiple of every logical block size in use
 ZERO_PAGE = bytes(ALIGN)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-RESIDENT = bytes(b & 1 for b in range(256))  # mincore's bit for a page in the cache
-
-
-class Pages:
-    """A file read from the page cache where it is resident, else past it (the module's
-    docstring): its bytes never enter the cache by these reads but in one race (a page
-    evicted between the look and the read is read back in: under memory pressure, a
-    page or a few). A context manager."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self._direct = self._map = -1
-        try:
-            self.size = os.fstat(self.fd).st_size
-            self._direct = open_direct(path)
-            self._map = _map(self.fd, self.size)
-        except BaseException:
-            self.close()
-            raise
-
-    def read(self, buffer: memoryview, offset: int) -> int:
-        """Bytes read into `buffer` (page-aligned, a whole number of pages long) at
-        `offset` (a page's): from the cache when all its pages are resident there, as
-        mincore(2) sees them over a mapping of the file that is never touched, else
-        past it (RWF_NOWAIT cannot ask: its read of a missing page starts reading it in).
-        A part resident is read past the cache too: eviction leaves scattered pages, and
-        a read per run of them would cost more than it saves."""
-        pages = min(len(buffer), self.size - offset + ALIGN - 1) // ALIGN
-        if self._map >= 0 and pages > 0:
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc().mincore(self._map + offset, pages * ALIGN, vec):
-                raise OSError(ctypes.get_errno(), "mincore")
-            if bytes(vec).translate(RESIDENT).count(1) == pages:
-                return os.preadv(self.fd, [buffer], offset)
-        return os.preadv(self._direct, [buffer], offset)
-
-    def close(self) -> None:
-        if self._map >= 0:
-            _libc().munmap(self._map, self.size)
-            self._map = -1
-        for fd in (self._direct, self.fd):
-            if fd >= 0:
-                os.close(fd)
-        self._direct = self.fd = -1
-
-    def __enter__(self) -> "Pages":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _map(fd: int, size: int) -> int:
-    """The address of a shared read-only mapping of the file, to look at with mincore;
-    -1 where there is nothing to map."""
-    if size == 0:
-        return -1
-    address = _libc().mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), "mmap")
-    return address
 
 
 def extents(fd: int):
@@ -115,39 +47,40 @@ def extents(fd: int):
         offset = stop
 
 
-def hashed(pages: Pages, h, buffer: memoryview):
+def hashed(fd: int, h, buffer: memoryview):
     """(offset, bytes read) of every data extent's chunks, read into `buffer` (as long as
     CHUNK) and hashed into `h` as they go (None: not hashed)."""
     def header(data: bytes) -> None:
         if h is not None:
             h.update(data)
 
-    for offset, chunk in _reads(pages, lambda: buffer, header):
+    for offset, chunk in _reads(fd, lambda: buffer, header):
         if h is not None:
             h.update(chunk)
         yield offset, chunk
 
 
-def _reads(pages: Pages, take: Callable[[], memoryview], extent: Callable[[bytes], None]):
+def _reads(fd: int, take: Callable[[], memoryview], extent: Callable[[bytes], None]):
     """(offset, bytes read) of every data extent's chunks, each read into the buffer
     take() gives (as long as CHUNK); extent() is given each extent's header first."""
-    for offset, length in extents(pages.fd):
+    for offset, length in extents(fd):
         extent(struct.pack("<QQ", offset, length))
         done = 0
         while done < length:
             buffer = take()
             # O_DIRECT reads whole blocks: the file's last one may go past its end.
             want = min(CHUNK, -(-(length - done) // ALIGN) * ALIGN)
-            got = min(pages.read(buffer[:want], offset + done), length - done)
+            got = min(os.preadv(fd, [buffer[:want]], offset + done), length - done)
             if got <= 0:
                 raise OSError(errno.EIO, f"ended at {offset + done}, not {offset + length}")
             yield offset + done, buffer[:got]
             done += got
 
 
-def read_ahead(pages: Pages, h):
+def read_ahead(fd: int, h):
     """hashed()'s chunks, hashed into `h`, read by a thread of its own into BUFFERS
-    buffers in turn: the next are read while the caller copies this one. A chunk is
+    buffers in turn: the next are read from the disk while the caller copies this one
+    (the disk's reads take about as long as the hash and the copy together). A chunk is
     the caller's until it asks for the next."""
     free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
     full: queue.SimpleQueue = queue.SimpleQueue()
@@ -156,7 +89,7 @@ def read_ahead(pages: Pages, h):
 
     def read() -> None:
         try:
-            for offset, chunk in _reads(pages, free.get, full.put):
+            for offset, chunk in _reads(fd, free.get, full.put):
                 full.put((offset, chunk))
             full.put(None)
         except BaseException as exc:  # the caller's to raise
@@ -184,43 +117,34 @@ def dig_holes(path: str) -> int:
     freed = 0
     try:
         view = memoryview(mmap.mmap(-1, CHUNK))
-        with Pages(path) as pages:
-            for offset, chunk in hashed(pages, None, view):
-                run = -1
-                for page in range(0, len(chunk) + ALIGN, ALIGN):
-                    zero = page < len(chunk) and chunk[page:page + ALIGN] == ZERO_PAGE
-                    if zero and run < 0:
-                        run = page
-                    elif not zero and run >= 0:
-                        _punch(fd, offset + run, page - run)
-                        freed += page - run
-                        run = -1
+        for offset, chunk in hashed(fd, None, view):
+            run = -1
+            for page in range(0, len(chunk) + ALIGN, ALIGN):
+                zero = page < len(chunk) and chunk[page:page + ALIGN] == ZERO_PAGE
+                if zero and run < 0:
+                    run = page
+                elif not zero and run >= 0:
+                    _punch(fd, offset + run, page - run)
+                    freed += page - run
+                    run = -1
         return freed
     finally:
         os.close(fd)
 
 
 def _punch(fd: int, offset: int, length: int) -> None:
-    if _libc().fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length):
+    if _libc().fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                         ctypes.c_long(offset), ctypes.c_long(length)):
         raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
 
 
-@functools.cache
 def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    size_t, void_p, c_int, c_long = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    libc.mmap.restype = void_p
-    libc.mmap.argtypes = [void_p, size_t, c_int, c_int, c_int, c_long]
-    libc.munmap.argtypes = [void_p, size_t]
-    libc.mincore.argtypes = [void_p, size_t, void_p]
-    libc.fallocate.argtypes = [c_int, c_int, c_long, c_long]
-    return libc
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def open_direct(path: str) -> int:
     """`path` for reading past the page cache where the file system allows it (reads
-    then go into page-aligned buffers; where it does not, as on tmpfs, the file is in
-    memory already)."""
+    then go into page-aligned buffers)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         return os.open(path, flags | os.O_DIRECT)
@@ -232,14 +156,18 @@ def open_direct(path: str) -> int:
 
 def copy(path: str, size: int, sha256: str, memfd: int) -> str:
     """`path` into `memfd`; "" when done and unchanged, else what is wrong."""
-    with Pages(path) as pages:
-        if pages.size != size:
-            return f"{path} is {pages.size} bytes, not {size}"
+    fd = open_direct(path)
+    try:
+        if os.fstat(fd).st_size != size:
+            return f"{path} is {os.fstat(fd).st_size} bytes, not {size}"
         os.ftruncate(memfd, size)
         h = hashlib.sha256()
-        for offset, chunk in read_ahead(pages, h):
+        for offset, chunk in read_ahead(fd, h):
             os.pwrite(memfd, chunk, offset)
         return changed(path, h.hexdigest(), sha256)
+    finally:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 
 
 def changed(path: str, got: str, saved: str) -> str:

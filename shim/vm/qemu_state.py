@@ -60,9 +60,8 @@ def open_memory(spec: VMSpec, restore_from: SavedVM | None,
 
 async def save(send_fd: Callable[[int], None], execute: Execute, path: str) -> None:
     """Stop the guest and write its state to `path` (created; QEMU's migration stream,
-    without the root image: it is mapped shared, and every VM maps the same file), on
-    disk when this returns; its pages stay in the page cache, charged to the cgroup of
-    the QEMU that wrote them (shim/vm/template.py). `send_fd`
+    without the root image: it is mapped shared, and every VM maps the same file). The
+    file's pages are dropped from the host's page cache once it is on disk. `send_fd`
     passes a descriptor to QEMU over QMP."""
     await execute("stop")
     await execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
@@ -77,6 +76,7 @@ async def save(send_fd: Callable[[int], None], execute: Execute, path: str) -> N
             raise HypervisorError(f"QEMU refused to save the VM: {exc}") from None
         await migration_done(execute, "saving")
         os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

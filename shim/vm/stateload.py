@@ -8,10 +8,9 @@ change it would control the guest of every later pod of its shape):
 - the guest's memory (sparse: only what the guest had in use) copied into the memfd the
   VM runs on and hashed in the same pass by shim/vm/memcopy.py, a process started in the
   pod's sandbox cgroup (the pages are the pod's), checked before QEMU loads the state.
-Both are read as memcopy.Pages: from the host's page cache where QEMU left them when it
-made the template (charged to the template's cgroup), past it where the kernel evicted
-them, so no read brings them in and what a pod restores is charged to no pod but the one
-it is copied for. The digest's form is memcopy.py's."""
+Both are read past the host's page cache (O_DIRECT) where the file system allows it, so
+what a pod restores is not charged to the first pod that read the file. The digest's
+form is memcopy.py's."""
 from __future__ import annotations
 
 import asyncio
@@ -29,20 +28,26 @@ FD_NAME = "template"
 
 def digest(path: str) -> str:
     """The digest of the file at `path`."""
-    with memcopy.Pages(path) as pages:
+    fd = memcopy.open_direct(path)
+    try:
         h = hashlib.sha256()
-        for _ in memcopy.hashed(pages, h, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
+        for _ in memcopy.hashed(fd, h, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
             pass
         return h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def read_state(path: str, sha256: str) -> bytes:
     """The state in `path`, whole, if it still has `sha256`; RestoreFailed otherwise."""
     h = hashlib.sha256()
     try:
-        with memcopy.Pages(path) as pages:
+        fd = memcopy.open_direct(path)
+        try:
             view = memoryview(mmap.mmap(-1, memcopy.CHUNK))  # page-aligned, for O_DIRECT
-            data = b"".join(bytes(chunk) for _, chunk in memcopy.hashed(pages, h, view))
+            data = b"".join(bytes(chunk) for _, chunk in memcopy.hashed(fd, h, view))
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
     wrong = memcopy.changed(path, h.hexdigest(), sha256)

@@ -36,11 +36,8 @@ restore.
 
 Made off every pod's path (shim/vm/templatemaker.py: ahead by `podvmctl templates
 warm`, or in the background after a pod of a new shape booted), in a cgroup of its own,
-under a lock. Its files stay in the host's page cache, charged to that cgroup (QEMU
-wrote them there), while the kernel keeps them: a restore copies them from memory then,
-and from the disk once they are evicted, never bringing them back itself
-(shim/vm/memcopy.py), so a pod is charged what its own VM uses, not a template's
-cache."""
+under a lock; restored by reads past the page cache, so a pod is charged what its own
+VM uses, not another's reads."""
 from __future__ import annotations
 
 import asyncio
@@ -214,9 +211,9 @@ def of(spec: VMSpec) -> Template:
 
 
 def _finish(state: str) -> dict[str, str]:
-    """The saved VM's memory made sparse and on disk; the digests of both files."""
+    """The saved VM's memory made sparse and settled; the digests of both files."""
     memcopy.dig_holes(memory_file(state))
-    _sync(memory_file(state))
+    _settle(memory_file(state))
     return {"state": stateload.digest(state), "memory": stateload.digest(memory_file(state))}
 
 
@@ -226,13 +223,13 @@ def _new_file(path: str):
                              os.O_CLOEXEC, 0o600), "w")
 
 
-def _sync(path: str) -> None:
-    """The template's memory on disk (its VM, which wrote it through a shared mapping,
-    is gone); its pages stay in the page cache, charged to the template's cgroup, for
-    the restores (the module's docstring)."""
+def _settle(path: str) -> None:
+    """The template's memory on disk, and out of the page cache (the pod that made it
+    would be charged for it): its VM, which wrote it through a shared mapping, is gone."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

@@ -22,7 +22,6 @@ from shim.vm import templatestore
 from shim.vm.qemu import QemuVM
 from shim.network.model import TapNic
 from tests.conftest import require_root
-from tests.vm.test_memcopy_pages import resident
 from tests.vmconfig import vm_config
 
 
@@ -316,24 +315,6 @@ def copy_of(made: templates.Template, tmp_path: pathlib.Path) -> templates.Templ
     for path in (made.state, made.memory, made.meta):
         subprocess.run(["cp", "--sparse=always", path, str(store)], check=True)
     return templates.Template(str(store), made.key, made.inputs)
-
-
-def test_a_made_template_stays_in_the_page_cache_for_its_restores(made) -> None:
-    """The pages QEMU wrote as it made the template (charged to the template's cgroup)
-    are kept for the restores to copy from memory: most of its data is resident."""
-    data = {offset // memcopy.ALIGN + page
-            for offset, length in _extents(made.memory)
-            for page in range(length // memcopy.ALIGN)}
-    seen = resident(pathlib.Path(made.memory))
-    assert sum(seen[page] for page in data) >= 0.9 * len(data), len(data)
-
-
-def _extents(path: str) -> list[tuple[int, int]]:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return list(memcopy.extents(fd))
-    finally:
-        os.close(fd)
 
 
 async def test_made_restored_twice_and_resumed_on_a_real_qemu(tmp_path, made) -> None:
