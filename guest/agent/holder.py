@@ -37,11 +37,15 @@ BUSYBOX = "/bin/busybox"
 READY_FD = 3
 # A byte on READY_FD when up; the hostname on stdin, one line ("": keep the guest's), set
 # by the shell's own write to its uts namespace's /proc/sys/kernel/hostname (no process);
-# a second byte once named. The shell closes both pipes before anything inherits them.
-SCRIPT = (f"trap 'exit 0' TERM INT; echo >&{READY_FD}; IFS= read -r name || exit 1; "
+# a second byte once named. The sleep it waits on (so that it reaps the pod's orphans) is
+# started first, without the pipes: a template's holder has it, so a restored guest's pod
+# is named with no fork and exec beside the agent's answer. The shell closes both pipes
+# before it starts anything else.
+SCRIPT = (f"trap 'exit 0' TERM INT; {BUSYBOX} sleep 2147483647 {READY_FD}>&- </dev/null & "
+          f"echo >&{READY_FD}; IFS= read -r name || exit 1; "
           f"[ -z \"$name\" ] || echo \"$name\" > /proc/sys/kernel/hostname || exit 1; "
           f"echo >&{READY_FD}; exec {READY_FD}>&- 0</dev/null; "
-          f"while :; do {BUSYBOX} sleep 2147483647 & wait; done")
+          f"while :; do wait; {BUSYBOX} sleep 2147483647 & done")
 CGROUP = "/sys/fs/cgroup/podvm"
 HOST_NAME_MAX = 64
 # unshare forks the holder's shell at once, but under TCG on a crowded host that fork can

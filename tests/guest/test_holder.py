@@ -95,3 +95,36 @@ async def test_a_hostname_that_is_not_one_is_refused_and_the_holder_ahead_kept(
         await holder.start("pod-d", name)
     assert err.value.code == Code.INVALID_ARGUMENT and "is not a hostname" in err.value.message
     assert holder._ahead is ahead and not ahead.exit_watch.done()
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def test_a_holder_ahead_waits_on_its_sleep_already_and_still_reaps_orphans(
+        agent) -> None:
+    """The sleep the holder waits on is started before the pod comes (a template's
+    holder has it), without the holder's pipes; naming the pod starts no process; an
+    orphan of the pod's pid namespace is reaped by the holder."""
+    await holder.prepare()
+    ahead = holder._ahead
+    assert ahead is not None
+    [shell] = children(ahead.parent)
+    [sleep] = children(shell)
+    assert open(f"/proc/{sleep}/cmdline", "rb").read().split(b"\0")[1] == b"sleep"
+    assert os.readlink(f"/proc/{sleep}/fd/0") == "/dev/null"
+    assert not os.path.exists(f"/proc/{sleep}/fd/{holder.READY_FD}")
+    proc = await holder.start("pod-e", "web-1")
+    agent.append(proc)
+    assert proc.pid == shell
+    await asyncio.sleep(0.2)
+    assert children(shell) == [sleep], "naming the pod started a process"
+    # An orphan in the pod's pid namespace: its parent exits at once, it a moment later.
+    subprocess.run(["nsenter", "-t", str(shell), "-p", "/bin/busybox", "sh", "-c",
+                    "/bin/busybox sleep 0.3 & exit 0"], check=True, timeout=10)
+    async with asyncio.timeout(10):
+        while len(children(shell)) < 2:  # reparented to the holder...
+            await asyncio.sleep(0.01)
+        while children(shell) != [sleep]:  # ...and reaped once it exits, no zombie left
+            await asyncio.sleep(0.05)
