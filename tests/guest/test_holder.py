@@ -111,8 +111,10 @@ async def test_a_holder_ahead_waits_on_its_sleep_already_and_still_reaps_orphans
     ahead = holder._ahead
     assert ahead is not None
     [shell] = children(ahead.parent)
-    [sleep] = children(shell)
-    assert open(f"/proc/{sleep}/cmdline", "rb").read().split(b"\0")[1] == b"sleep"
+    [sleep] = children(shell)  # forked before the shell said it is up
+    async with asyncio.timeout(10):  # its exec, on a loaded machine
+        while open(f"/proc/{sleep}/cmdline", "rb").read().split(b"\0")[1:2] != [b"sleep"]:
+            await asyncio.sleep(0.01)
     assert os.readlink(f"/proc/{sleep}/fd/0") == "/dev/null"
     assert not os.path.exists(f"/proc/{sleep}/fd/{holder.READY_FD}")
     proc = await holder.start("pod-e", "web-1")
@@ -120,9 +122,9 @@ async def test_a_holder_ahead_waits_on_its_sleep_already_and_still_reaps_orphans
     assert proc.pid == shell
     await asyncio.sleep(0.2)
     assert children(shell) == [sleep], "naming the pod started a process"
-    # An orphan in the pod's pid namespace: its parent exits at once, it a moment later.
+    # An orphan in the pod's pid namespace: its parent exits at once, it 2 s later.
     subprocess.run(["nsenter", "-t", str(shell), "-p", "/bin/busybox", "sh", "-c",
-                    "/bin/busybox sleep 0.3 & exit 0"], check=True, timeout=10)
+                    "/bin/busybox sleep 2 & exit 0"], check=True, timeout=10)
     async with asyncio.timeout(10):
         while len(children(shell)) < 2:  # reparented to the holder...
             await asyncio.sleep(0.01)
