@@ -14,8 +14,15 @@ first (a different kernel line is a different template), not counted.
 The PVH-booted vmlinux is never relocated, so its "+ KASLR" row measures a no-op;
 --bzimage adds a row with the compressed kernel, whose decompressor does relocate it.
 
+--before-tree DIR adds a row whose pods run the shim of another checkout (e.g. `git
+worktree add /tmp/before <rev>`: the code before a hardening change) beside this one's,
+through a second runtime of the same containerd, alternated with the others: a change's
+cost measured before and after in one run. --rows jail keeps only that row and the
+defaults.
+
 usage: python bench/hardening_bench.py [--rounds N] [--settle S] [--accel tcg|kvm]
                                        [--only boot|template] [--bzimage VMLINUZ]
+                                       [--before-tree DIR] [--rows all|jail]
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,6 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
 from shim.config import HypervisorConfig  # noqa: E402
 from shim.vm.qemu_command import FAST_PARAMS  # noqa: E402
+import tests.e2e.containerd as harness  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402
 from tests.e2e.test_crictl import pod_config  # noqa: E402
@@ -47,8 +56,17 @@ UNCONFINED = {"seccompsandbox": "", "enable_jail": False}
 """QEMU's confinement off (the keys that exist in shim/config.py)."""
 
 
-def configurations(bzimage: str = "") -> dict[str, dict[str, object]]:
-    """Row name -> [hypervisor.qemu] keys."""
+BEFORE = "podvm-before"
+"""The runtime whose shim is --before-tree's (RUNTIME: the key of a row that uses it)."""
+RUNTIME = "_runtime"
+
+
+def configurations(bzimage: str = "", before: str = "",
+                   only_jail: bool = False) -> dict[str, dict[str, object]]:
+    """Row name -> [hypervisor.qemu] keys (RUNTIME: the runtime that runs its pods)."""
+    if only_jail:
+        return {**({f"before: {before}": {RUNTIME: BEFORE}} if before else {}),
+                "after: the defaults": {}}
     unconfined = {k: v for k, v in UNCONFINED.items()
                   if k in {f.name for f in dataclasses.fields(HypervisorConfig)}}
     rows: dict[str, dict[str, object]] = {}
@@ -63,8 +81,39 @@ def configurations(bzimage: str = "") -> dict[str, dict[str, object]]:
             rows["  + KASLR alone, bzImage"] = {"kernel_params": others, "kernel": bzimage}
     if unconfined:
         rows["default line, QEMU unconfined"] = dict(unconfined)
+    if before:
+        rows[f"before: {before}"] = {RUNTIME: BEFORE}
     rows["after: the defaults"] = {}
     return rows
+
+
+def before_runtime(tree: pathlib.Path, work: pathlib.Path) -> None:
+    """A second podvm runtime whose shim is `tree`'s: containerd runs
+    containerd-shim-podvmbefore-v2 from its PATH, a wrapper that imports the shim from
+    `tree` (with this checkout's generated protobuf modules where it has none)."""
+    if not (tree / "shim" / "contract" / "cli.py").is_file():
+        raise SystemExit(f"--before-tree {tree}: not a podvm checkout")
+    if not (tree / "podvm_core" / "pb").is_dir():
+        shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "podvm_core" / "pb",
+                        tree / "podvm_core" / "pb")
+    bindir = work / "before-bin"
+    bindir.mkdir()
+    wrapper = bindir / "containerd-shim-podvmbefore-v2"
+    wrapper.write_text(f"#!/bin/sh\nexport PYTHONPATH={tree}\nexec {sys.executable} -c "
+                       f"'import sys; from shim.contract.cli import main; sys.exit(main())' "
+                       f"\"$@\"\n")
+    wrapper.chmod(0o755)
+    os.environ["PATH"] = f"{bindir}:{os.environ['PATH']}"
+    section = harness.podvm_runtime_section
+
+    def both(config_path: str | None) -> str:
+        text = section(config_path)
+        again = text.replace(".runtimes.podvm]", f".runtimes.{BEFORE}]").replace(
+            ".runtimes.podvm.options]", f".runtimes.{BEFORE}.options]").replace(
+            '"io.containerd.podvm.v2"', '"io.containerd.podvmbefore.v2"')
+        return text + "\n" + again
+
+    harness.podvm_runtime_section = both
 
 
 @dataclasses.dataclass
@@ -82,16 +131,17 @@ def write(path: pathlib.Path, work: pathlib.Path, accel: str, template: bool,
     own = {k: v for k, v in keys.items() if k == "kernel"}  # write_test_config writes it
     write_test_config(path, accel=accel, enable_template=template,
                       template_path=str(work / "templates"), **own)
-    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if k not in own)
+    lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()
+                    if k not in own and k != RUNTIME)
     path.write_text(path.read_text().replace("[runtime]\n", lines + "[runtime]\n", 1))
     warm_templates(path)  # each configuration's own, before its first pod
 
 
 def one_pod(ctd: Containerd, crictl: Crictl, work: pathlib.Path, name: str,
-            settle: float) -> Sample:
+            settle: float, runtime: str = "podvm") -> Sample:
     pod_file = write_config(work, f"{name}.json", pod_config(ctd, work, name))
     started = time.monotonic()
-    pod_id = crictl.runp(pod_file, runtime="podvm")
+    pod_id = crictl.runp(pod_file, runtime=runtime)
     try:
         ready = time.monotonic() - started
         (qemu,) = pod_qemus(pod_id)
@@ -105,11 +155,13 @@ def one_pod(ctd: Containerd, crictl: Crictl, work: pathlib.Path, name: str,
 
 
 def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
-    rows = configurations(args.bzimage)
+    rows = configurations(args.bzimage, args.before_tree, args.rows == "jail")
     modes = [m for m in ("boot", "template") if args.only in ("", m)]
     samples: dict[tuple[str, str], list[Sample]] = {(r, m): [] for r in rows for m in modes}
     with tempfile.TemporaryDirectory(prefix="podvm-hardening-") as tmp:
         work = pathlib.Path(tmp)
+        if args.before_tree:
+            before_runtime(pathlib.Path(args.before_tree).resolve(), work)
         config = work / "podvm.toml"
         write(config, work, args.accel, False, {})
         with Containerd(work / "containerd", namespace="podvm-hardening", cri=True,
@@ -120,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
             if "template" in modes:
                 for i, (row, keys) in enumerate(rows.items()):
                     write(config, work, args.accel, True, keys)
-                    one_pod(ctd, crictl, work, f"w{i}", 0)
+                    one_pod(ctd, crictl, work, f"w{i}", 0, str(keys.get(RUNTIME, "podvm")))
                     print(f"template made: {row}", flush=True)
             for rnd in range(args.rounds):
                 order = list(rows.items())
@@ -128,7 +180,8 @@ def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
                     for mode in modes if rnd % 2 == 0 else reversed(modes):
                         write(config, work, args.accel, mode == "template", keys)
                         count += 1
-                        s = one_pod(ctd, crictl, work, f"p{count}", args.settle)
+                        s = one_pod(ctd, crictl, work, f"p{count}", args.settle,
+                                    str(keys.get(RUNTIME, "podvm")))
                         samples[(row, mode)].append(s)
                         print(f"round {rnd} {mode:8} {row}: ready {s.ready_s:.2f} s, "
                               f"QEMU CPU {s.cpu_s:.2f} s, "
@@ -173,6 +226,10 @@ def main() -> int:
                              "decompressor: the one boot path where KASLR takes effect")
     parser.add_argument("--only", choices=("boot", "template"), default="",
                         help="only pods that boot, or only pods that restore a template")
+    parser.add_argument("--before-tree", default="", metavar="DIR",
+                        help="a row whose pods run the shim of this other checkout")
+    parser.add_argument("--rows", choices=("all", "jail"), default="all",
+                        help="jail: only --before-tree's row and the defaults")
     args = parser.parse_args()
     report(run(args), args)
     return 0

@@ -11,6 +11,7 @@ from dataclasses import asdict
 import cgroups
 
 from shim.host import paths, shimstate
+from shim.host.cleanup import processes_of
 from shim.vm.jail import confinement
 from shim.host.podstate import STATE_FILE, PodState, state_path
 from shim.host.processes import start_time
@@ -88,6 +89,8 @@ def collect(state_dir: str) -> dict:
             outside.append(f"QEMU {state.qemu_pid} has exited")
         else:
             report["confinement"] = confinement(state.qemu_pid)
+    report["file_daemon"] = [dict(pid=pid, **confinement(pid)) for pid in
+                             processes_of("virtiofsd", state_dir + "/")]
     back = sandbox.read_back()
     report["cgroup"] = {
         "version": back.version, "path": back.sandbox,
@@ -196,14 +199,19 @@ def _network_lines(net: dict) -> list[str]:
     return lines
 
 
-def _confinement_lines(c: dict | None) -> list[str]:
-    """QEMU's confinement as /proc shows it (README: QEMU's confinement)."""
-    if not c:
-        return []
-    return [f"QEMU confinement: seccomp {c['seccomp']}"
+def _confinement_lines(qemu: dict | None, file_daemon: list[dict]) -> list[str]:
+    """QEMU's and the file daemon's confinement as /proc shows it
+    (docs/threat-model.md)."""
+    return [f"{who} confinement: {_confined(c)}" for who, c in
+            [("QEMU", qemu), *((f"file daemon {d['pid']}", d) for d in file_daemon)]
+            if c and "uid" in c]
+
+
+def _confined(c: dict) -> str:
+    return (f"uid {c['uid']} gid {c['gid']}, seccomp {c['seccomp']}"
             f"{' (filter)' if c['seccomp'] == 2 else ' (none)'}, no_new_privs "
             f"{c['no_new_privs']}, capabilities {','.join(c['capabilities']) or 'none'}, "
-            f"own mount namespace {'yes' if c['own_mount_namespace'] else 'no'}"]
+            f"own namespaces {','.join(c['own_namespaces']) or 'none'}")
 
 
 def render(report: dict) -> str:
@@ -232,7 +240,7 @@ def render(report: dict) -> str:
                      f"{vm.get('memory_total_mib')} MiB" + _kernel_keeps(vm))
         lines.append(f"  restored from template {report['restored_from']}"
                      if report.get("restored_from") else "  booted (no template)")
-    lines += _confinement_lines(report.get("confinement"))
+    lines += _confinement_lines(report.get("confinement"), report.get("file_daemon") or [])
     lines += _network_lines(report.get("network") or {})
     k8s = kubernetes_view(plan)
     if k8s:

@@ -73,6 +73,12 @@ class HypervisorConfig:
     enable_jail: bool = True
     """QEMU in its own mount namespace with only the pod's files, its capabilities cut
     (shim/vm/jail.py); false only to debug: weaker isolation."""
+    jail_id_first: int = 1_800_000_000
+    jail_id_count: int = 65536
+    """The ids (each one a uid and the gid of the same number) that jailed QEMUs run
+    as, one per VM node-wide (shim/host/jailids.py): a range no user, group or user
+    namespace of the node uses (kubelet's user namespaces take 65536 per pod from
+    65536 up)."""
     shared_fs: str = "virtio-fs"
     """Kata's key: how the containers' files reach the guest. "virtio-fs" (a virtiofsd
     per pod, shim/vm/virtiofsd.py) keeps POSIX semantics; "virtio-9p" is the fallback
@@ -144,6 +150,7 @@ _SECTIONS = {"hypervisor.qemu": "qemu", "runtime": "runtime"}
 _ACCELS = ("kvm", "tcg")
 SHARED_FS = ("virtio-fs", "virtio-9p")
 _FS_CACHES = ("auto", "always", "none")
+JAIL_ID_END = 1 << 31  # ids past it read as negative in some tools; (uid_t)-1 is "none"
 CONSOLE_LOG_MAX_KIB = 16384  # per pod, in /run (memory): more is no log but a leak
 _SIZINGS = ("sum", "max")
 _RESERVATIONS = ("shares", "exclusive")
@@ -281,6 +288,11 @@ def _check(config: Config, source: str) -> None:
         raise ConfigError(f"{where} console_log_max_kib must be 1 to {CONSOLE_LOG_MAX_KIB} "
                           f"(KiB of the guest's console kept in /run; error messages quote "
                           f"it), got {q.console_log_max_kib}")
+    if q.jail_id_first < 65536 or q.jail_id_count < 1 or \
+            q.jail_id_first + q.jail_id_count > JAIL_ID_END:
+        raise ConfigError(f"{where} jail_id_first and jail_id_count must give ids from 65536 "
+                          f"up to {JAIL_ID_END - 1} (QEMU's jail: a range no user of the "
+                          f"node has), got {q.jail_id_first} and {q.jail_id_count}")
     if q.boot_timeout < 1:
         raise ConfigError(f"{where} boot_timeout must be at least 1 second, "
                           f"got {q.boot_timeout}")

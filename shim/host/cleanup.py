@@ -19,7 +19,7 @@ import psutil
 
 import cgroups
 
-from . import mountns, paths, shimstate
+from . import jailids, mountns, paths, shimstate
 from .mounts import mounts_under, unmount, unmount_all
 from ..network import remote
 from ..network.errors import NetworkError
@@ -204,6 +204,10 @@ def cleanup_from_state(state_dir: str) -> None:
     for pid in processes_of("virtiofsd", state_dir + "/"):  # ends with QEMU, unless
         log.info("killing virtiofsd %d of sandbox %s", pid, sandbox)  # none ever came
         kill_and_wait(pid)
+    # No QEMU of the pod runs any more: the ids they ran as are free (the VM's, and a
+    # template's its shim was making)
+    for number in jailids.release_under(state_dir):
+        log.info("dropped sandbox %s's claim of jail id %d", sandbox, number)
     # A QEMU that would not die still holds the pod's mount namespace (the daemon, when
     # it runs this, is in that namespace itself).
     pod_process = pod_mount_process(sorted(qemus))

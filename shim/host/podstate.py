@@ -68,6 +68,9 @@ class PodState:
     qemu_pid: int = 0
     qemu_start_time: int | None = None
     """processes.start_time() of qemu_pid: tells it from a process that got its pid later."""
+    qemu_jail_id: int | None = None
+    """The uid and gid QEMU runs as (shim/host/jailids.py; None: not jailed); `delete`
+    drops its claim after a crash."""
     rootfs: Mapping[str, str] = field(default_factory=dict)
     """Container id -> its bundle's rootfs, mounted by the shim."""
     vcpu_pins: tuple[str, ...] = ()

@@ -3,8 +3,10 @@ killing one until nothing of it is left. psutil: only `delete`, the daemon's exi
 VM machinery load this module, never `start` or an idle daemon."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import time
 
 import psutil
@@ -56,6 +58,34 @@ def kill_and_wait(pid: int, timeout: float = 30.0) -> None:
             return
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+async def end_child(proc: asyncio.subprocess.Process, timeout: float, what: str) -> None:
+    """Wait up to `timeout` seconds for a child asked to end, then SIGKILL it; returns
+    once it is reaped."""
+    if proc.returncode is not None:
+        return
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        pass
+    if proc.returncode is None:
+        log.warning("killing %s %d", what, proc.pid)
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+
+
+def ended(proc: asyncio.subprocess.Process) -> bool:
+    """The child has exited, reaped or not (a zombie)."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -172,6 +172,12 @@ class VM(abc.ABC):
         its helper processes (helper_pids) included."""
 
     @property
+    def jail_id(self) -> int | None:
+        """The uid and gid the VMM runs as, one of its own (shim/host/jailids.py); None
+        where it is not jailed."""
+        return None
+
+    @property
     def helper_pids(self) -> list[int]:
         """Processes besides the VMM's own that serve this VM (virtiofsd), started with
         the same `preexec`."""

@@ -1,22 +1,31 @@
 """QEMU's jail, set up in its child between fork and exec (after the sandbox cgroup is
-entered: the jail hides the cgroup files): a mount namespace of its own whose root is a
+entered: the jail hides the cgroup files), as Firecracker's jailer sets up a microVM's:
+IPC, UTS and network namespaces of its own (no SysV IPC, abstract socket or address of
+the node; its network namespace has only a loopback, up, for a template's placeholder
+NIC: the pod's taps and vhost-net come as descriptors), and a mount namespace whose root is a
 small read-only tmpfs holding, at their usual absolute paths (QEMU's command line does
 not change), only what this VM uses: QEMU and its libraries, the kernel, initrd and root
 image, the VM's work directory, a few device nodes and QEMU's own /proc/PID as
 /proc/self; the pod's shared directory only where QEMU serves it (9p: over virtio-fs
 virtiofsd does, in a sandbox of its own, shim/vm/virtiofsd.py). No /sys, no /etc but
 ld.so.cache, no other pod's files. Then the capability bounding set is cut to what QEMU
-needs (nothing; KEEP where it serves 9p) (as uid 0, QEMU's permitted and effective sets
-after exec are the bounding set), the inheritable and ambient sets are
-cleared and no_new_privs is set: QEMU's own `-sandbox` (seccomp) needs it without
-CAP_SYS_ADMIN, and nothing QEMU could exec gains a privilege. Last, a seccomp filter of
-podvm's own keeps QEMU from every other process (shim/vm/pidfilter.py).
+needs (nothing; KEEP where it serves 9p), and QEMU becomes the uid and gid of its own
+that shim/host/jailids.py handed this VM (with /dev/kvm's group under KVM): no process
+of the node, and no other QEMU, shares them, so the kernel refuses QEMU their signals,
+ptrace, prlimit, keyrings and files. What 9p needs is kept through the ambient set
+(a uid other than 0 gets no capability from exec otherwise); no_new_privs is set:
+QEMU's own `-sandbox` (seccomp) needs it without CAP_SYS_ADMIN, and nothing QEMU could
+exec gains a privilege. Last, a seccomp filter of podvm's own keeps QEMU from every
+other process and from the kernel's cross-process interfaces (shim/vm/pidfilter.py).
 Everything is decided in the parent (`plan`); the child only makes system calls
 (`Jail.enter`)."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import socket
+import struct
 from dataclasses import dataclass
 
 from ..host import beneath
@@ -25,13 +34,16 @@ from . import pidfilter
 from .hypervisor import VMSpec
 from .qemu_command import install_prefix
 
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, \
+    0x40000000
+NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_SLAVE = 0x20, 0x1000, 0x4000, 0x80000
 MNT_DETACH = 2
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 24, 38, 47
-PR_CAP_AMBIENT_CLEAR_ALL = 4
-SYS_PIVOT_ROOT, SYS_CAPGET, SYS_CAPSET = 155, 125, 126
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_SET_KEEPCAPS = 24, 38, 47, 8
+PR_CAP_AMBIENT_RAISE, PR_CAP_AMBIENT_CLEAR_ALL = 2, 4
+SYS_PIVOT_ROOT, SYS_CAPSET = 155, 126
 _CAP_VERSION_3 = 0x20080522
 
 CAPABILITIES = (
@@ -84,11 +96,19 @@ class Jail:
     binds: tuple[Bind, ...]
     links: tuple[tuple[str, str], ...]
     """(path, target) of the symlinks made in the jail (merged /usr)."""
+    ids: int
+    """QEMU's uid and gid (shim/host/jailids.py)."""
+    groups: tuple[int, ...] = ()
+    """Its supplementary groups: /dev/kvm's under KVM, else none."""
     keep: tuple[str, ...] = KEEP
 
     def enter(self) -> None:
         """In QEMU's child, single-threaded, before exec: the jail, then the rights cut."""
-        _call(libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        _call(libc().unshare(NAMESPACES), "unshare(mount, UTS, IPC, network)")
+        try:
+            loopback_up()
+        except OSError as exc:
+            raise JailError(exc.errno, f"QEMU's jail: loopback up: {exc.strerror}") from None
         _mount(None, "/", None, MS_SLAVE | MS_REC)
         _mount("podvm-qemu", self.root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                "size=64k,mode=0755")
@@ -105,7 +125,7 @@ class Jail:
         os.rmdir("/old")
         _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
                | MS_NOEXEC)
-        drop_privileges(self.keep)
+        drop_privileges(self.keep, self.ids, self.groups)
         pidfilter.install()
 
     def _proc_self(self) -> None:
@@ -148,11 +168,12 @@ class Jail:
         _mount(None, target, None, MS_REMOUNT | MS_BIND | flags)
 
 
-def plan(spec: VMSpec) -> Jail:
-    """The jail of `spec`'s VM: its files at their paths, its work directory writable,
-    the shared directory only where QEMU serves it (9p), /dev/kvm only under KVM. The tap
-    and vhost-net devices come as descriptors, a template's state and the guest's RAM
-    file too: none is a path in the jail."""
+def plan(spec: VMSpec, ids: int) -> Jail:
+    """The jail of `spec`'s VM, whose QEMU runs as uid and gid `ids`: its files at their
+    paths, its work directory writable (the caller makes it the VM's: chown to `ids`),
+    the shared directory only where QEMU serves it (9p), /dev/kvm (and its group) only
+    under KVM. The tap and vhost-net devices come as descriptors, a template's state and
+    the guest's RAM file too: none is a path in the jail."""
     q = spec.hypervisor
     binds: list[Bind] = []
     links: list[tuple[str, str]] = []
@@ -171,8 +192,11 @@ def plan(spec: VMSpec) -> Jail:
         binds.append(Bind(spec.shared_dir, writable=True, recursive=True))  # as it is
     devices = DEVICES + (("/dev/kvm",) if q.accel == "kvm" else ())
     binds.extend(Bind(d, writable=True, device=True) for d in devices if os.path.exists(d))
+    groups = (os.stat("/dev/kvm").st_gid,) if q.accel == "kvm" and \
+        os.path.exists("/dev/kvm") else ()
     return Jail(root=os.path.join(spec.workdir, "jail"), binds=_outermost(binds),
-                links=tuple(links), keep=KEEP if serves_files else ())
+                links=tuple(links), ids=ids, groups=groups,
+                keep=KEEP if serves_files else ())
 
 
 def own_prefix(qemu_path: str) -> list[str]:
@@ -196,20 +220,41 @@ def _outermost(binds: list[Bind]) -> tuple[Bind, ...]:
     return tuple(kept)
 
 
-def drop_privileges(keep: tuple[str, ...]) -> None:
-    """Bounding set cut to `keep`, inheritable and ambient sets emptied, no_new_privs."""
+def drop_privileges(keep: tuple[str, ...], ids: int, groups: tuple[int, ...] = ()) -> None:
+    """Bounding set cut to `keep`; uid and gid `ids` (supplementary `groups`); the
+    permitted, effective, inheritable and ambient sets exactly `keep` (what exec hands
+    on to a program of a uid other than 0 is the ambient set); no_new_privs."""
     c = libc()
     wanted = {CAPABILITIES.index(name) for name in keep}
     for cap in range(last_capability() + 1):
         if cap not in wanted:
             _call(c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"PR_CAPBSET_DROP {cap}")
     _call(c.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
+    _call(c.prctl(PR_SET_KEEPCAPS, 1 if wanted else 0, 0, 0, 0), "PR_SET_KEEPCAPS")
+    try:
+        os.setgroups(list(groups))
+        os.setresgid(ids, ids, ids)
+        os.setresuid(ids, ids, ids)
+    except OSError as exc:
+        raise JailError(exc.errno, f"QEMU's jail: uid and gid {ids}: {exc.strerror}") from None
+    mask = sum(1 << cap for cap in wanted)
     header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
-    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice (64 bits)
-    _call(c.syscall(SYS_CAPGET, ctypes.byref(header), ctypes.byref(data)), "capget")
-    data[2] = data[5] = 0
+    # effective, permitted, inheritable: the low 32 bits, then the high
+    data = (ctypes.c_uint32 * 6)(mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, mask & 0xFFFFFFFF,
+                                 mask >> 32, mask >> 32, mask >> 32)
     _call(c.syscall(SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
+    for cap in sorted(wanted):
+        _call(c.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), f"ambient {cap}")
     _call(c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+
+
+def loopback_up() -> None:
+    """The new network namespace's loopback up: a template's placeholder NIC sends to
+    127.0.0.1 (shim/network/model.py), which is then QEMU's own, not the node's."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
 def last_capability() -> int:
@@ -225,21 +270,28 @@ def capability_names(mask: int) -> list[str]:
         [f"cap_{bit}" for bit in range(len(CAPABILITIES), 64) if mask >> bit & 1]
 
 
+NAMESPACE_KINDS = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup")
+
+
 def confinement(pid: int) -> dict:
-    """How process `pid` is confined, from /proc: seccomp mode (2: a filter),
-    no_new_privs, its effective capabilities by name, and whether its mount namespace is
-    another than its parent's (the jail's); {} when it is gone."""
+    """How process `pid` is confined, from /proc: its uid and gid, seccomp mode (2: a
+    filter), no_new_privs, its effective capabilities by name, and the namespaces it
+    does not share with its parent (the jail's; virtiofsd's sandbox); {} when it is
+    gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        ns = os.readlink(f"/proc/{pid}/ns/mnt")
-        parent = os.readlink(f"/proc/{fields['PPid'].strip()}/ns/mnt")
+        parent = fields["PPid"].strip()
+        own = [kind for kind in NAMESPACE_KINDS
+               if os.readlink(f"/proc/{pid}/ns/{kind}") !=
+               os.readlink(f"/proc/{parent}/ns/{kind}")]
     except (OSError, KeyError):
         return {}
-    return {"seccomp": int(fields.get("Seccomp", "0")),
+    return {"uid": int(fields["Uid"].split()[0]), "gid": int(fields["Gid"].split()[0]),
+            "seccomp": int(fields.get("Seccomp", "0")),
             "no_new_privs": int(fields.get("NoNewPrivs", "0")),
             "capabilities": capability_names(int(fields["CapEff"], 16)),
-            "own_mount_namespace": ns != parent}
+            "own_namespaces": own}
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int,

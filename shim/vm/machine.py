@@ -183,7 +183,8 @@ class Machine(MachineResize, MachineRestore):
         host's and the guest's independent steps at once; what the guest reports."""
         assert self.vm is not None
         timeout = self.config.qemu.boot_timeout
-        self.record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid))
+        self.record(qemu_pid=self.vm.pid, qemu_start_time=start_time(self.vm.pid),
+                    qemu_jail_id=self.vm.jail_id)
         self.agent = Agent.of_vm(self.vm)
         # The host's side asks nothing of the guest: it goes on while the guest resumes.
         placing = asyncio.ensure_future(self._place_threads())
@@ -339,7 +340,7 @@ class Machine(MachineResize, MachineRestore):
             self.unshare_container(container_id)
         self.share.destroy()
         remove_tree(self.vm_dir)
-        self.record(qemu_pid=0, qemu_start_time=None)
+        self.record(qemu_pid=0, qemu_start_time=None, qemu_jail_id=None)
 
 
 async def _together(*steps: Awaitable[T]) -> list[T]:

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import subprocess
 from typing import Callable
 
@@ -17,10 +16,11 @@ import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
 from ..host.libc import libc, no_huge_pages
-from ..host.processes import peek_exit
+from ..host.processes import end_child, ended, peek_exit
 from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
                scratchdisk)
 from .console import ConsoleLog
+from .jailid import JailId
 from .hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
                          ThreadRole, VM, VMExited, VMSpec)
 from .virtiofsd import FileServer
@@ -44,6 +44,8 @@ class QemuVM(VM):
         self._console: ConsoleLog | None = None
         self._files: FileServer | None = None
         self._memory: asyncio.Future[None] | None = None
+        self._jail = JailId(spec)
+        """The uid and gid QEMU runs as, claimed at launch."""
 
     @property
     def pid(self) -> int:
@@ -84,6 +86,10 @@ class QemuVM(VM):
         qemu_diagnosis.check_files(self.spec)
 
     @property
+    def jail_id(self) -> int | None:
+        return self._jail.number
+
+    @property
     def helper_pids(self) -> list[int]:
         return self._files.pids() if self._files is not None else []
 
@@ -93,6 +99,8 @@ class QemuVM(VM):
         instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
+        if self.spec.hypervisor.enable_jail:
+            self._jail.claim()
         for path in (self.agent_socket, self.qmp_socket):
             _unlink(path)
         self._restore_from = restore_from
@@ -106,14 +114,20 @@ class QemuVM(VM):
                 self._files.start_soon(preexec)
                 if not restore_from:  # a booted QEMU connects to it as it starts
                     await self._files.ready()
+                    self._jail.give_socket(qemu_command.virtio_fs_socket(self.spec.workdir))
             disk = scratchdisk.open_for(self.spec.hypervisor)
             # descriptors: no path of the guest's RAM or of its disk is in the jail
             self.spec = dataclasses.replace(
                 self.spec, memory_path=f"/proc/self/fd/{memfd}" if memfd >= 0 else
                 self.spec.memory_path, scratch_disk=f"/proc/self/fd/{disk}" if disk >= 0 else "")
+            for fd in (memfd, disk):
+                if fd >= 0:
+                    self._jail.give(fd)
             await self._spawn(preexec, [fd for fd in (memfd, disk) if fd >= 0])
         except BaseException:
             await self._stop_helpers()
+            if self._proc is None or self._proc.returncode is not None:
+                self._jail.release()
             raise
         finally:
             for fd in (memfd, disk):
@@ -126,7 +140,8 @@ class QemuVM(VM):
         cmd = self.command() + (["-incoming", "defer"] if restore_from else [])
         log.info("starting QEMU: %s", " ".join(cmd))
         libc()  # loaded before the fork: the child only calls it
-        confine = jail.plan(self.spec) if self.spec.hypervisor.enable_jail else None
+        confine = jail.plan(self.spec, self._jail.number) \
+            if self._jail.number is not None else None
         if confine is not None:
             os.makedirs(confine.root, mode=0o700, exist_ok=True)
 
@@ -255,6 +270,7 @@ class QemuVM(VM):
             if self._files is not None:
                 self._boot_stage = "the pod's virtiofsd was starting"
                 await self._files.ready()
+                self._jail.give_socket(qemu_command.virtio_fs_socket(self.spec.workdir))
                 self._boot_stage = "QEMU did not add the virtio-fs device"
                 await qemu_hotplug.add_virtio_fs(self._execute, self.spec.workdir)
             self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
@@ -334,22 +350,13 @@ class QemuVM(VM):
         if self._agent_stream is not None:  # never taken
             self._agent_stream[1].close()
             self._agent_stream = None
-        if proc is not None and proc.returncode is None:
-            try:
-                await asyncio.wait_for(proc.wait(), timeout)
-            except TimeoutError:
-                pass
-            if proc.returncode is None:
-                log.warning("killing QEMU %d", proc.pid)
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                await proc.wait()
+        if proc is not None:
+            await end_child(proc, timeout, "QEMU")
         if self._console is not None:
             console, self._console = self._console, None
             await console.close()
         await self._stop_helpers()
+        self._jail.release()
         for path in (self.agent_socket, self.qmp_socket, self.console_socket):
             _unlink(path)
 
@@ -371,15 +378,7 @@ class QemuVM(VM):
                 log.debug("QMP disconnect: %s", exc)
 
     def dead(self) -> bool:
-        proc = self._proc
-        if proc is None:
-            return False
-        if proc.returncode is not None:
-            return True
-        try:
-            return psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
+        return self._proc is not None and ended(self._proc)
 
     async def wait(self) -> int:
         if self._proc is None:
