@@ -62,13 +62,17 @@ def guest_cpus_for_update(host_cpuset: Iterable[int],
     return guest_cpus(host_cpuset, vcpu_pins) or list(range(len(vcpu_pins)))
 
 
-def apply(pins: Mapping[int, frozenset[int]]) -> dict[int, frozenset[int]]:
+def apply(pins: Mapping[int, frozenset[int]], owner: int = 0) -> dict[int, frozenset[int]]:
     """sched_setaffinity for each thread; threads that exited meanwhile (a vCPU unplugged)
     are skipped, and a mask the thread's cpuset refuses is logged, not raised: a re-pin is
     a best effort that the next change repeats. The affinities as the kernel then reports
-    them."""
+    them. `owner`: the process the threads are of (QEMU, whose ids were checked when
+    they were asked for); one no longer its own just before its affinity is set (the
+    thread ended, its id perhaps another process's now) is skipped as exited."""
     seen = {}
     for tid, cpus in pins.items():
+        if owner and not os.path.exists(f"/proc/{owner}/task/{tid}"):
+            continue
         try:
             os.sched_setaffinity(tid, cpus)
             seen[tid] = frozenset(os.sched_getaffinity(tid))

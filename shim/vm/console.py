@@ -13,14 +13,23 @@ A compaction rewrites the file's newest half in one rename (podvm_core/atomic.py
 reader sees the old file or the new one, never a part. It happens once per half a cap
 of output, so copying costs at most about three writes per byte the guest sends. When
 the shim is gone, QEMU drops what the guest writes (no client on the socket), and the
-guest is never held up by a console nobody reads."""
+guest is never held up by a console nobody reads.
+
+QEMU can write the directory the log is in, and plant any name there: the log is
+reached through descriptors alone (shim/vm/workdir.py), each new file made under a name
+nobody can guess and renamed over the log's, the newest half read back from the file
+this writer holds, so no name QEMU plants is followed or opened. The same writer keeps
+QEMU's and virtiofsd's own output (shim/vm/vmmlog.py)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 
-from podvm_core.atomic import write_atomic
+from podvm_core.atomic import replace_at
+
+from . import workdir
 
 log = logging.getLogger("podvm.qemu")
 
@@ -35,7 +44,8 @@ class ConsoleLog:
             raise ValueError(f"a console log needs room for at least 2 bytes, got {max_bytes}")
         self.path = path
         self.max_bytes = max_bytes
-        self._file = open(path, "wb", buffering=0)  # a new log per launch, as QEMU's was
+        self._name = os.path.basename(path)
+        self._dir, self._fd = workdir.create(path)  # a new log per launch, as QEMU's was
         self._size = 0
         self._task: asyncio.Task | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -43,7 +53,8 @@ class ConsoleLog:
     @classmethod
     async def attach(cls, socket_path: str, path: str, max_bytes: int) -> "ConsoleLog":
         """Connected to QEMU's console socket, copying into `path` until it closes."""
-        reader, writer = await asyncio.open_unix_connection(socket_path)
+        with workdir.socket_path(socket_path) as sock:
+            reader, writer = await asyncio.open_unix_connection(sock)
         console = cls(path, max_bytes)
         console._writer = writer
         console._task = asyncio.create_task(console._copy(reader))
@@ -51,7 +62,9 @@ class ConsoleLog:
 
     def write(self, data: bytes) -> None:
         if self._size + len(data) <= self.max_bytes:
-            self._file.write(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
             self._size += len(data)
             return
         half = self.max_bytes // 2
@@ -59,15 +72,14 @@ class ConsoleLog:
             kept = data[-self.max_bytes:]
         else:
             kept = self._tail(half - len(data)) + data
-        write_atomic(self.path, kept)
-        self._file.close()
-        self._file = open(self.path, "ab", buffering=0)
+        fd = replace_at(self._dir, self._name, kept)
+        os.close(self._fd)
+        self._fd = fd
         self._size = len(kept)
 
     def _tail(self, size: int) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(max(0, self._size - size))
-            return f.read(size)
+        """From the file this writer holds, not from the name (QEMU may have moved it)."""
+        return os.pread(self._fd, size, max(0, self._size - size))
 
     async def _copy(self, reader: asyncio.StreamReader) -> None:
         """Until QEMU closes the socket. A log that cannot be written (its directory
@@ -99,4 +111,11 @@ class ConsoleLog:
                 await self._task
         if self._writer is not None:
             self._writer.close()
-        self._file.close()
+        self.close_file()
+
+    def close_file(self) -> None:
+        """The log's descriptors closed (the file stays, for the messages that quote it)."""
+        for fd in (self._fd, self._dir):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._dir = -1

@@ -18,12 +18,13 @@ from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 from ..host.libc import libc, no_huge_pages
 from ..host.processes import end_child, ended, peek_exit
 from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
-               scratchdisk)
+               scratchdisk, workdir)
 from .console import ConsoleLog
 from .jailid import JailId
 from .hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
                          ThreadRole, VM, VMExited, VMSpec)
 from .virtiofsd import FileServer
+from .vmmlog import PipeLog
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -42,6 +43,7 @@ class QemuVM(VM):
         self._boot_stage = "QEMU starting"  # where launch() is: said when it times out
         self._restore_from: SavedVM | None = None
         self._console: ConsoleLog | None = None
+        self._stderr: PipeLog | None = None  # qemu.log, at a bounded size
         self._files: FileServer | None = None
         self._memory: asyncio.Future[None] | None = None
         self._jail = JailId(spec)
@@ -102,7 +104,7 @@ class QemuVM(VM):
         if self.spec.hypervisor.enable_jail:
             self._jail.claim()
         for path in (self.agent_socket, self.qmp_socket):
-            _unlink(path)
+            workdir.unlink(path)
         self._restore_from = restore_from
         memfd = disk = -1
         try:
@@ -152,7 +154,7 @@ class QemuVM(VM):
             if confine is not None:
                 jail.enter_or_say(confine)
 
-        stderr = open(os.path.join(self.spec.workdir, "qemu.log"), "ab")
+        stderr = self._stderr = PipeLog(os.path.join(self.spec.workdir, "qemu.log"))
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=stderr, stderr=stderr,
@@ -161,6 +163,8 @@ class QemuVM(VM):
         except OSError as exc:
             raise HypervisorError(f"cannot run {cmd[0]}: {exc.strerror}") from None
         except subprocess.SubprocessError:  # what the child said is in qemu.log
+            stderr.close()
+            stderr.drain()
             raise HypervisorError(f"cannot start QEMU of sandbox {self.spec.sandbox_id}: "
                                   f"{qemu_diagnosis.qemu_log_tail(self.spec)}") from None
         finally:
@@ -237,21 +241,25 @@ class QemuVM(VM):
             return None
         if self._console is not None:  # its last lines, which the message quotes
             await self._console.finished(grace=1)
+        if self._stderr is not None:
+            self._stderr.drain()
         return qemu_diagnosis.exited(self.spec, proc.pid, status, self._booted)
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
         self._boot_stage = "QEMU had not opened its QMP socket"
         while True:  # the socket file appears a moment before QEMU listens on it
-            if os.path.exists(self.qmp_socket):
-                self._boot_stage = "QEMU had not answered the QMP handshake"
-                try:
-                    await qmp.connect(self.qmp_socket)
+            try:
+                with workdir.socket_path(self.qmp_socket) as sock:
+                    self._boot_stage = "QEMU had not answered the QMP handshake"
+                    await qmp.connect(sock)
                     break
-                except ConnectError as exc:
-                    if not isinstance(exc.__cause__, ConnectionRefusedError):
-                        raise
-                    log.debug("QMP not listening yet: %s", exc)
+            except FileNotFoundError:
+                pass
+            except ConnectError as exc:
+                if not isinstance(exc.__cause__, ConnectionRefusedError):
+                    raise
+                log.debug("QMP not listening yet: %s", exc)
             await asyncio.sleep(0.005)
         self._qmp = qmp
         # Before the guest runs, or restores: QEMU drops console output nobody reads.
@@ -262,7 +270,8 @@ class QemuVM(VM):
         # Connected before the guest runs: a guest that opens its port while the host
         # side is unconnected reads end-of-file.
         self._boot_stage = "the agent socket of QEMU did not accept"
-        self._agent_stream = await asyncio.open_unix_connection(self.agent_socket)
+        with workdir.socket_path(self.agent_socket) as sock:
+            self._agent_stream = await asyncio.open_unix_connection(sock)
         if self._restore_from:
             # The guest's port is open in the state loaded: nothing to wait for after cont.
             self._boot_stage = LOADING
@@ -352,13 +361,15 @@ class QemuVM(VM):
             self._agent_stream = None
         if proc is not None:
             await end_child(proc, timeout, "QEMU")
+        if self._stderr is not None and proc is not None and proc.returncode is not None:
+            self._stderr.drain()  # its last words, for the messages that quote them
         if self._console is not None:
             console, self._console = self._console, None
             await console.close()
         await self._stop_helpers()
         self._jail.release()
         for path in (self.agent_socket, self.qmp_socket, self.console_socket):
-            _unlink(path)
+            workdir.unlink(path)
 
     async def _stop_helpers(self) -> None:
         """The RAM copy and virtiofsd (which ends by itself once QEMU has hung up)."""
@@ -385,10 +396,4 @@ class QemuVM(VM):
             raise HypervisorError("VM was never launched")
         return await self._proc.wait()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 

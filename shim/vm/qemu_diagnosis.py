@@ -12,7 +12,7 @@ from qemu.qmp import QMPClient
 
 from ..config import DEFAULT_PATH as DEFAULT_CONFIG
 from ..resources.update import MEMORY_BLOCK_MIB
-from . import qemu_command
+from . import qemu_command, workdir
 from .hypervisor import MissingFile, VMExited, VMSpec
 from .qemu_command import qboot
 
@@ -103,11 +103,12 @@ def qemu_log_tail(spec: VMSpec) -> str:
 
 
 def tail(path: str, size: int = 600) -> str:
-    """The end of the file at `path` on one line ("" when it cannot be read)."""
+    """The end of the file at `path` on one line ("" when it cannot be read). The logs
+    are in QEMU's work directory, which QEMU can write: read beneath it, never through
+    a link (QEMU's `qemu.log -> /etc/shadow` would be quoted to containerd) nor from a
+    FIFO (which would hold the shim)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode(errors="replace").strip().replace("\n", " | ")
+        data = workdir.read_tail(path, size)
     except OSError:
         return ""
+    return data.decode(errors="replace").strip().replace("\n", " | ")

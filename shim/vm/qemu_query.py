@@ -1,12 +1,14 @@
 """What a running QEMU VM has, asked over QMP: its size (vCPUs present, memory) and its
-host threads by role."""
+host threads by role. A thread id QMP reports is QEMU's word, and a guest that took QEMU
+over can make it name any thread of the host (containerd's, another pod's vCPUs): the
+ids are checked against QEMU's own threads in /proc before the shim places or pins one."""
 from __future__ import annotations
 
 from typing import Awaitable, Callable
 
 import psutil
 
-from .hypervisor import ThreadRole
+from .hypervisor import HypervisorError, ThreadRole
 
 Execute = Callable[..., Awaitable[object]]
 """One QMP command (name, arguments) as QemuVM._execute runs it: QEMU gone raises how
@@ -26,7 +28,8 @@ async def size(execute: Execute) -> tuple[int, int]:
 
 async def threads(execute: Execute, pid: int) -> dict[ThreadRole, list[int]]:
     """Every thread of QEMU (process `pid`) by role, vCPUs in vCPU index order;
-    psutil.NoSuchProcess when QEMU is gone."""
+    psutil.NoSuchProcess when QEMU is gone; HypervisorError naming them when QMP
+    reports thread ids that are not QEMU's own (/proc/`pid`/task)."""
     cpus = await execute("query-cpus-fast")
     iothreads = await execute("query-iothreads")
     roles: dict[ThreadRole, list[int]] = {  # vCPUs in vCPU index order
@@ -37,5 +40,10 @@ async def threads(execute: Execute, pid: int) -> dict[ThreadRole, list[int]]:
     }
     known = {tid for tids in roles.values() for tid in tids}
     tasks = [t.id for t in psutil.Process(pid).threads()]
+    foreign = sorted(t for t in known if t not in tasks)
+    if foreign:
+        raise HypervisorError(f"QEMU (pid {pid}) reported thread ids that are not its own "
+                              f"(not in /proc/{pid}/task): {', '.join(map(str, foreign))}; "
+                              f"none is placed or pinned")
     roles[ThreadRole.OTHER] = sorted(t for t in tasks if t not in known)
     return roles

@@ -109,7 +109,7 @@ class MachineResize:
         vcpus = (await self.vm.threads()).get(ThreadRole.VCPU, [])
         pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset,
                                self.config.runtime.enable_vcpus_pinning)
-        pinning.apply(pins)
+        pinning.apply(pins, owner=self.vm.pid)
         self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
         self.record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
         if pins:

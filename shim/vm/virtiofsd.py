@@ -35,7 +35,7 @@ from typing import Callable
 
 import psutil
 
-from . import qemu_diagnosis
+from . import qemu_diagnosis, vmmlog
 from .hypervisor import HypervisorError, VMSpec
 from .qemu_command import virtio_fs_socket
 
@@ -134,7 +134,7 @@ class FileServer:
         daemon = self.spec.hypervisor.virtio_fs_daemon
         cmd = command(self.spec, await separate_options(daemon))
         log.info("starting virtiofsd: %s", " ".join(cmd))
-        out = open(log_path(self.spec), "ab")
+        out = vmmlog.PipeLog(log_path(self.spec))  # bounded, read by descriptors
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
