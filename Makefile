@@ -36,7 +36,7 @@ help:
 	@echo "make bench      print the benchmarks' figures"
 	@echo "make gen        regenerate the protobuf modules (podvm_core/pb)"
 	@echo "make guest      build the guest image (kernel + initramfs) into $(GUEST_BUILD)"
-	@echo "make virtiofsd  fetch Debian 13's Rust virtiofsd (for the tests) into build/virtiofsd"
+	@echo "make virtiofsd  fetch the Rust virtiofsd podvm ships (Debian 13's) into build/virtiofsd"
 	@echo "make bundle     build the tree podvm-node install puts in /opt/podvm into $(BUNDLE_DIR)"
 	@echo "make images     build the podvm-webhook and podvm-node images into build/images"
 
@@ -73,19 +73,20 @@ gen: $(STAMP)
 guest: $(STAMP)
 	$(VENV)/bin/python guest/build.py --out $(GUEST_BUILD)
 
-# The Rust virtiofsd (Debian 13's, made to load on Debian 12) into build/virtiofsd, for
-# the tests of podvm with it (tests/virtiofsd_rust.py); fetched again when Debian's changes.
+# The Rust virtiofsd podvm ships (Debian 13's, made to load on Debian 12) into
+# build/virtiofsd: the pods' file server in the bundle, `make install` and the tests
+# (podvm_node/rust_virtiofsd.py); fetched again when Debian's changes.
 virtiofsd: $(STAMP)
-	$(VENV)/bin/python -m tests.virtiofsd_rust --out build/virtiofsd
+	$(VENV)/bin/python -m podvm_node.rust_virtiofsd --out build/virtiofsd
 
 # The self-contained podvm a node gets in /opt/podvm (podvm_node/bundle.py): Debian's
 # QEMU and Python with their libraries, podvm, the guest. Cached like the guest.
-bundle: guest
+bundle: guest virtiofsd
 	$(VENV)/bin/python -m podvm_node.bundle --out $(BUNDLE_DIR)
 
 # OCI layouts and archives of podvm-webhook and podvm-node, no Docker daemon; cached like
 # the guest (images/build.py).
-images: guest
+images: guest virtiofsd
 	$(VENV)/bin/python -m images.build --out build/images
 
 install: deps
@@ -95,6 +96,10 @@ install: deps
 	ln -sf $(PREFIX)/venv/bin/containerd-shim-podvm-v2 $(BINDIR)/containerd-shim-podvm-v2
 	ln -sf $(PREFIX)/venv/bin/podvmctl $(BINDIR)/podvmctl
 	ln -sf $(PREFIX)/venv/bin/podvm-webhook $(BINDIR)/podvm-webhook
+	$(PREFIX)/venv/bin/python -m podvm_node.rust_virtiofsd --out build/virtiofsd
+	install -D -m 0755 build/virtiofsd/virtiofsd $(PREFIX)/libexec/virtiofsd
+	@[ "$(PREFIX)" = /opt/podvm ] || echo "note: podvm looks for its virtiofsd in" \
+		"/opt/podvm/libexec: set virtio_fs_daemon = \"$(PREFIX)/libexec/virtiofsd\""
 	$(PREFIX)/venv/bin/python guest/build.py --out $(GUEST_BUILD)
 	install -d $(GUESTDIR)
 	install -m 0644 $(GUEST_BUILD)/vmlinux $(GUEST_BUILD)/initrd.img $(GUESTDIR)/

@@ -2,13 +2,15 @@
 `podvm-node install` copies to /opt/podvm on a node, which then needs no Python or QEMU
 of its own. Everything comes from this machine's Debian packages (the binaries and
 every shared library they load, ldd's closure), the guest image (build/guest) and
-podvm's own packages with their pinned dependencies:
+podvm's own packages with their pinned dependencies, and the Rust virtiofsd
+(build/virtiofsd: Debian 13's, which this machine's Debian 12 may not have):
 
     lib/            the dynamic loader (as lib/ld.so) and every shared library;
                     QEMU's TCG module (lib/x86_64-linux-gnu/qemu)
     bin/            qemu-system-x86_64, containerd-shim-podvm-v2, podvmctl, podvm-node,
                     mke2fs (the scratch disks' blank file system)
-    libexec/        virtiofsd
+    libexec/        virtiofsd: the Rust one podvm ships (podvm_node/rust_virtiofsd.py,
+                    `make virtiofsd`), the pods' file server by default
     share/qemu/     the firmware podvm's QEMU command line loads
     share/podvm/    vmlinux, initrd.img, rootfs.img
     python/         Python 3.11: bin/python3.11, lib/python3.11 (the standard library),
@@ -44,8 +46,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 GUEST = ROOT / "build" / "guest"
 CONFIG_SOURCE = ROOT / "packaging" / "configuration.toml"
 GUEST_FILES = ("vmlinux", "initrd.img", "rootfs.img")
+RUST_VIRTIOFSD = ROOT / "build" / "virtiofsd"
+"""podvm_node/rust_virtiofsd.py's output: the binary and its VERSION."""
 EXECUTABLES = {"bin/qemu-system-x86_64": "/usr/bin/qemu-system-x86_64",
-               "libexec/virtiofsd": "/usr/lib/qemu/virtiofsd",
+               "libexec/virtiofsd": str(RUST_VIRTIOFSD / "virtiofsd"),
                "bin/mke2fs": "/sbin/mke2fs",
                "python/bin/python3.11": "/usr/bin/python3.11"}
 FIRMWARE_DIRS = ("/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe/qemu")
@@ -60,6 +64,9 @@ MODULES = ("accel-tcg-x86_64.so",)
 SCRIPTS = {"containerd-shim-podvm-v2": "shim.contract.cli",
            "podvmctl": "podvmctl.cli", "podvm-node": "podvm_node.cli",
            "podvm-webhook": "podvm_webhook.cli"}
+OWN_BUILDS = ("libexec/virtiofsd",)
+"""Executables that are no package of this machine's (their libraries are): the manifest
+names their version and digest."""
 UNTOUCHED_LIBS = ("ld-linux-x86-64.so.2", "libc.so.6")
 """Need nothing but each other: left exactly as Debian ships them."""
 CONFIG_PATHS = {"path": "bin/qemu-system-x86_64", "kernel": "share/podvm/vmlinux",
@@ -102,8 +109,9 @@ def sources_digest() -> str:
 
 
 def host_files() -> list[str]:
-    """The host files the bundle copies (before the Python tree's extensions)."""
-    files = list(EXECUTABLES.values())
+    """The host files the bundle copies (before the Python tree's extensions), all of
+    them Debian's (OWN_BUILDS' libraries too, not the builds)."""
+    files = [source for rel, source in EXECUTABLES.items() if rel not in OWN_BUILDS]
     for exe in EXECUTABLES.values():
         files += elfpatch.host_libraries(exe).values()
     files += [firmware_source(name) for name in FIRMWARE]
@@ -111,6 +119,20 @@ def host_files() -> list[str]:
         module = os.path.join(QEMU_MODULES, name)
         files += [module, *elfpatch.host_libraries(module).values()]
     return sorted(set(files))
+
+
+def own_builds() -> dict[str, dict[str, str]]:
+    """OWN_BUILDS' version and digest (a new Debian 13 virtiofsd is a new bundle)."""
+    found = {}
+    for rel in OWN_BUILDS:
+        source = pathlib.Path(EXECUTABLES[rel])
+        version = source.with_name("VERSION")
+        if not source.is_file() or not version.is_file():
+            raise BundleError(f"no Rust virtiofsd in {source.parent}: run `make virtiofsd` "
+                              f"first")
+        found[rel] = {"version": version.read_text().strip(),
+                      "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
+    return found
 
 
 def firmware_source(name: str) -> str:
@@ -130,6 +152,7 @@ def inputs() -> tuple[str, dict]:
     debian_files = host_files() + bundle_python.stdlib_files()
     manifest = {"prefix": PREFIX,
                 "debian": debian_owners(debian_files),
+                "own_builds": own_builds(),
                 "python": bundle_python.pins(),
                 "podvm_sources": sources_digest(),
                 "guest": stamp.read_text().strip(),

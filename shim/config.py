@@ -17,13 +17,26 @@ class ConfigError(ValueError):
     pass
 
 
-VIRTIO_FS_DAEMONS = ("/usr/libexec/virtiofsd", "/usr/lib/qemu/virtiofsd")
-"""The Rust virtiofsd (Debian 13 and later, Ubuntu 24.04, Fedora: the maintained one),
-then QEMU 7.2's C one (Debian 12's qemu-system-common; QEMU 8.0 dropped it)."""
+VIRTIO_FS_DAEMONS = ("/opt/podvm/libexec/virtiofsd", "/usr/libexec/virtiofsd")
+"""The Rust virtiofsd, the maintained one: podvm's own (`make install` and the node bundle
+put it there, podvm_node/rust_virtiofsd.py), then the distribution's (Debian 13 and
+later, Ubuntu 24.04, Fedora). Never QEMU 7.2's C one unless the operator names it."""
+LEGACY_VIRTIO_FS_DAEMONS = ("/usr/lib/qemu/virtiofsd",)
+"""QEMU 7.2's C virtiofsd (Debian 12's qemu-system-common; QEMU 8.0 dropped it), where
+Debian installs it. It keeps a descriptor on its own /proc after it hides /proc, through
+which a guest that took it over writes /proc/sys/kernel/core_pattern as root: it runs
+only with allow_legacy_virtiofsd (shim/vm/virtiofsd.py refuses it, wherever it lies,
+by its answer to --print-capabilities)."""
 
 
 def default_virtio_fs_daemon() -> str:
     return next((p for p in VIRTIO_FS_DAEMONS if os.path.isfile(p)), VIRTIO_FS_DAEMONS[0])
+
+
+def is_legacy_virtio_fs_daemon(path: str) -> bool:
+    """`path` is (a link to) QEMU 7.2's C virtiofsd where Debian installs it."""
+    real = os.path.realpath(path)
+    return any(real == os.path.realpath(p) for p in LEGACY_VIRTIO_FS_DAEMONS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,11 @@ class HypervisorConfig:
     (QEMU's own 9p server), without locks, sockets, FIFOs or O_TMPFILE on shared files."""
     virtio_fs_daemon: str = field(default_factory=default_virtio_fs_daemon)
     """Kata's key: the virtiofsd binary; by default the first of VIRTIO_FS_DAEMONS that
-    is installed (shim/vm/virtiofsd.py speaks to either)."""
+    is installed: podvm's own Rust daemon on a node podvm installed."""
+    allow_legacy_virtiofsd: bool = False
+    """true: virtio_fs_daemon may be QEMU 7.2's C virtiofsd (LEGACY_VIRTIO_FS_DAEMONS),
+    weaker isolation: a guest that takes it over reaches the host's /proc/sys as root.
+    false: podvm refuses to run it (here, by its path; at its start, by what it is)."""
     virtio_fs_cache: str = "auto"
     """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
     scratch_disk_mib: int = 10240
@@ -316,6 +333,12 @@ def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
     if q.scratch_disk_mib and not os.path.isabs(q.scratch_path):
         raise ConfigError(f"{where} scratch_path must be an absolute path, got "
                           f"{q.scratch_path!r}")
+    if q.shared_fs == "virtio-fs" and not q.allow_legacy_virtiofsd and \
+            is_legacy_virtio_fs_daemon(q.virtio_fs_daemon):
+        raise ConfigError(f"{where} virtio_fs_daemon {q.virtio_fs_daemon} is QEMU 7.2's C "
+                          f"virtiofsd, which a guest that takes it over leaves for the "
+                          f"host's /proc: unset virtio_fs_daemon for podvm's own Rust "
+                          f"daemon, or set allow_legacy_virtiofsd = true (weaker isolation)")
     if q.virtio_fs_cache not in _FS_CACHES:
         raise ConfigError(f"{where} virtio_fs_cache must be one of {', '.join(_FS_CACHES)}, "
                           f"got {q.virtio_fs_cache!r}")

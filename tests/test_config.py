@@ -73,3 +73,38 @@ def test_lookup_order(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(config.ENV_PATH, str(tmp_path / "missing.toml"))
     with pytest.raises(config.ConfigError, match="not found"):
         config.load()
+
+
+def test_the_default_virtiofsd_is_podvm_s_rust_one_never_the_c_one(monkeypatch) -> None:
+    """podvm's own first (make install, podvm-node), the distribution's Rust one next;
+    QEMU 7.2's C daemon, though installed, is never picked: a missing default is named."""
+    installed = set()
+    monkeypatch.setattr(config.os.path, "isfile", lambda p: p in installed)
+    own, distribution = config.VIRTIO_FS_DAEMONS
+    assert own == "/opt/podvm/libexec/virtiofsd"
+    installed.update(config.LEGACY_VIRTIO_FS_DAEMONS)
+    assert config.default_virtio_fs_daemon() == own
+    installed.add(distribution)
+    assert config.default_virtio_fs_daemon() == distribution
+    installed.add(own)
+    assert config.default_virtio_fs_daemon() == own
+
+
+def test_the_c_virtiofsd_needs_its_key(tmp_path) -> None:
+    """Named by its path or through a link, QEMU 7.2's daemon is refused with the key that
+    allows it; with the key, or over 9p (no daemon runs), the file loads."""
+    link = tmp_path / "virtiofsd"
+    link.symlink_to(config.LEGACY_VIRTIO_FS_DAEMONS[0])
+    for path in (config.LEGACY_VIRTIO_FS_DAEMONS[0], str(link)):
+        f = tmp_path / "c.toml"
+        f.write_text(f'[hypervisor.qemu]\nvirtio_fs_daemon = "{path}"\n')
+        with pytest.raises(config.ConfigError, match="allow_legacy_virtiofsd = true") as err:
+            config.load(str(f))
+        assert str(f) in str(err.value) and f"virtio_fs_daemon {path} is QEMU 7.2's" in \
+            str(err.value)
+        f.write_text(f'[hypervisor.qemu]\nvirtio_fs_daemon = "{path}"\n'
+                     f'allow_legacy_virtiofsd = true\n')
+        assert config.load(str(f)).qemu.allow_legacy_virtiofsd
+        f.write_text(f'[hypervisor.qemu]\nvirtio_fs_daemon = "{path}"\n'
+                     f'shared_fs = "virtio-9p"\n')
+        assert config.load(str(f)).qemu.virtio_fs_daemon == path

@@ -52,14 +52,14 @@ def root_image() -> str:
 
 
 def rust_virtiofsd() -> str:
-    """The Rust virtiofsd `make test` fetches (tests/virtiofsd_rust.py): what a node with
-    Debian 13 or Ubuntu 24.04 serves the pods' files with."""
+    """The Rust virtiofsd podvm ships, as `make virtiofsd` fetches it
+    (podvm_node/rust_virtiofsd.py): what every node serves the pods' files with."""
     require(RUST_VIRTIOFSD.is_file(), f"the Rust virtiofsd {RUST_VIRTIOFSD} (make virtiofsd)")
     return str(RUST_VIRTIOFSD)
 
 
 def virtiofs_daemon(kind: str) -> str:
-    """"rust" (rust_virtiofsd) or "qemu-7.2", Debian 12's own."""
+    """"rust" (rust_virtiofsd) or "qemu-7.2", Debian 12's own (vm_config allows it)."""
     if kind == "rust":
         return rust_virtiofsd()
     require(os.path.isfile(QEMU_VIRTIOFSD), f"{QEMU_VIRTIOFSD} (Debian package "
@@ -75,6 +75,10 @@ def vm_config(**qemu: object) -> Config:
                   boot_timeout=60, template_path=str(TEMPLATES),
                   template_cgroup=TEMPLATE_CGROUP)
     fields.update(qemu)
+    # podvm's own Rust daemon, as on a node; the C one with the key it needs (shim/config.py)
+    fields.setdefault("virtio_fs_daemon", rust_virtiofsd())
+    if fields["virtio_fs_daemon"] == QEMU_VIRTIOFSD:
+        fields.setdefault("allow_legacy_virtiofsd", True)
     # the scratch disks' blank file system beside the templates: this run's, not the node's
     fields.setdefault("scratch_path", f"{fields['template_path']}-scratch")
     return Config(qemu=HypervisorConfig(**fields), runtime=RuntimeConfig(), source="(tests)")
@@ -90,6 +94,7 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
                 "template_cgroup", "scratch_path", "virtio_fs_daemon"):
         lines.append(f'{key} = "{getattr(q, key)}"')
     lines.append(f"enable_template = {json.dumps(q.enable_template)}")
+    lines.append(f"allow_legacy_virtiofsd = {json.dumps(q.allow_legacy_virtiofsd)}")
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
                 "boot_timeout", "template_max_count", "template_max_mib", "scratch_disk_mib"):

@@ -31,8 +31,8 @@ def check_files(spec: VMSpec) -> None:
              ("image", q.image, "run `make install` (it builds them)")]
     if q.shared_fs == "virtio-fs":
         files.append(("virtio_fs_daemon", q.virtio_fs_daemon,
-                      "install virtiofsd (Debian 13 and later) or "
-                      "qemu-system-common (Debian 12)"))
+                      "run `make install` or `podvm-node install` (podvm's own Rust "
+                      "virtiofsd)"))
     for key, path, fix in files:
         if not os.path.isfile(path):
             raise MissingFile(f"{key} {path} does not exist: {fix}, or set "

@@ -6,12 +6,25 @@ pod's), before a booted QEMU, which connects at once, and beside a restored one,
 gets its device after the state (start_soon, ready); it ends by itself when QEMU's
 connection goes, and is killed with the VM otherwise.
 
-Either daemon: the Rust one (/usr/libexec/virtiofsd, the default where it is installed:
-shim/config.py) or QEMU 7.2's C one, each told the same in its own words (command()).
+The daemon: the Rust one podvm ships (/opt/podvm/libexec/virtiofsd, the default:
+shim/config.py), or QEMU 7.2's C one where the operator allows it (allow_legacy_virtiofsd:
+it keeps a descriptor on its /proc after hiding /proc, and a guest that takes it over
+writes /proc/sys/kernel/core_pattern through it, as tests/vm/test_virtiofsd_jail.py
+shows), each told the same in its own words (command()).
 What it is allowed, and why (docs/design.md, "Rooms and floors" names the room):
 - sandbox=namespace: it pivots into the shared directory in mount, PID and network
-  namespaces of its own, under its own seccomp filter, so a guest that took it over
-  reaches the pod's files and nothing else;
+  namespaces of its own, under its own seccomp filter (--seccomp=kill: a call outside
+  it ends the daemon), so a guest that took it over reaches the pod's files and nothing
+  else; the shim adds IPC and UTS namespaces (in_own_namespaces), which no daemon makes;
+- root in the host's user namespace, with only chown, dac_override, fowner, fsetid,
+  setuid and setgid (its bounding set empty, no_new_privs): it makes and chowns files
+  as the guest's users, so it needs those in the user namespace that owns the pod's
+  file systems (containerd's snapshots, the node's volumes), the host's. A user
+  namespace of its own would either shift every owner the guest sees (a range map), or
+  map all ids to themselves and keep its uid 0 the host's root (identity), which is
+  what the kernel checks for /proc/sys; another uid gains nothing either, as setuid
+  (for acting as each guest user) takes it back to 0. What keeps it from the host is
+  that nothing but the pod's files is in its reach, and the tests play that takeover;
 - modcaps=-mknod:-setfcap: a guest device node would be a host device node in the pod's
   files, a guest's file capability one the host honours; FIFOs and sockets need none;
 - every other extended attribute the guest sets is stored under `user.virtiofs.`
@@ -35,6 +48,7 @@ from typing import Callable
 
 import psutil
 
+from ..host.libc import last_errno, libc
 from . import qemu_diagnosis, vmmlog
 from .hypervisor import HypervisorError, VMSpec
 from .qemu_command import virtio_fs_socket
@@ -46,6 +60,7 @@ XATTR_MAP = ":ok:all:security.capability:::map::user.virtiofs.:"
 name is remapped), which it cannot set (no setfcap); every other name under
 `user.virtiofs.`."""
 START_TIMEOUT = 10  # seconds: a host process binding a socket, not a guest booting
+CLONE_NEWIPC, CLONE_NEWUTS = 0x08000000, 0x04000000
 _LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags
 
 
@@ -76,27 +91,60 @@ def command(spec: VMSpec, separate_options: bool) -> list[str]:
 
 
 async def separate_options(daemon: str) -> bool:
+    """The daemon's vhost-user capabilities list "separate-options" (the Rust one)."""
+    announced = await capabilities(daemon)
+    return announced is not None and "separate-options" in announced["features"]
+
+
+def is_legacy(announced: dict | None) -> bool:
+    """What capabilities() read is QEMU 7.2's C daemon: a vhost-user file system backend
+    without "separate-options". Anything else (no answer, or not one of a file system
+    backend) is started with the Rust daemon's words: its start says what is wrong."""
+    return announced is not None and announced.get("type") == "fs" and \
+        "separate-options" not in announced["features"]
+
+
+def in_own_namespaces(preexec: Callable[[], None] | None) -> Callable[[], None]:
+    """`preexec`, then new IPC and UTS namespaces for the daemon: its sandbox makes mount,
+    PID and network ones, not these, and a daemon that is root in the host's IPC
+    namespace owns the SysV shared memory, semaphores and queues of every root process
+    of the node. Said in its log when they cannot be made (it never runs then)."""
+    c = libc()  # loaded before the fork
+
+    def child() -> None:
+        if preexec is not None:
+            preexec()
+        if c.unshare(CLONE_NEWIPC | CLONE_NEWUTS) != 0:
+            err = last_errno()
+            os.write(2, f"podvm: no IPC and UTS namespaces of its own for virtiofsd: "
+                        f"unshare: {os.strerror(err)}\n".encode())
+            os._exit(126)
+    return child
+
+
+async def capabilities(daemon: str) -> dict | None:
     """The daemon's vhost-user capabilities (`--print-capabilities`, the JSON that QEMU's
-    vhost-user.json describes) list "separate-options"; False for anything else,
-    whose start then says what is wrong."""
+    vhost-user.json describes), "features" always a list; None for anything else."""
     try:
         proc = await asyncio.create_subprocess_exec(
             daemon, "--print-capabilities", stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     except OSError:
-        return False
+        return None
     try:
         async with asyncio.timeout(START_TIMEOUT):
             out, _ = await proc.communicate()
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return False
+        return None
     try:
-        features = json.loads(out).get("features", [])
-    except (ValueError, AttributeError):
-        return False
-    return "separate-options" in features
+        announced = json.loads(out)
+    except ValueError:
+        return None
+    if not isinstance(announced, dict) or not isinstance(announced.get("features", []), list):
+        return None
+    return dict(announced, features=announced.get("features", []))
 
 
 def log_path(spec: VMSpec) -> str:
@@ -132,7 +180,16 @@ class FileServer:
         except FileNotFoundError:
             pass
         daemon = self.spec.hypervisor.virtio_fs_daemon
-        cmd = command(self.spec, await separate_options(daemon))
+        announced = await capabilities(daemon)
+        if is_legacy(announced) and not self.spec.hypervisor.allow_legacy_virtiofsd:
+            raise HypervisorError(
+                f"virtiofsd {daemon} is QEMU 7.2's C daemon, which a guest that takes it "
+                f"over leaves for the host's /proc: podvm runs it only with "
+                f"allow_legacy_virtiofsd = true in [hypervisor.qemu] of "
+                f"{self.spec.config_source or 'its configuration'} (weaker isolation); "
+                f"unset virtio_fs_daemon for podvm's own Rust daemon")
+        cmd = command(self.spec, not is_legacy(announced))
+        preexec = in_own_namespaces(preexec)
         log.info("starting virtiofsd: %s", " ".join(cmd))
         out = vmmlog.PipeLog(log_path(self.spec))  # bounded, read by descriptors
         try:
@@ -140,8 +197,8 @@ class FileServer:
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True, preexec_fn=preexec)
         except OSError as exc:
-            raise HypervisorError(f"cannot run virtiofsd {cmd[0]}: {exc.strerror} (install "
-                                  f"qemu-system-common or set virtio_fs_daemon)") from None
+            raise HypervisorError(f"cannot run virtiofsd {cmd[0]}: {exc.strerror} (run `make "
+                                  f"install` for podvm's own, or set virtio_fs_daemon)") from None
         finally:
             out.close()
         try:

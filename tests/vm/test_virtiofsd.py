@@ -30,7 +30,7 @@ def _servers(marker: str) -> list[int]:
 async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_path,
                                                                           daemon) -> None:
     """Either daemon, each spoken to in its own words: the Rust one (Debian 13's, as
-    `make test` fetches it: tests/virtiofsd_rust.py) and QEMU 7.2's (Debian 12's
+    `make test` fetches it: podvm_node/rust_virtiofsd.py) and QEMU 7.2's (Debian 12's
     qemu-system-common)."""
     binary = virtiofs_daemon(daemon)
     vm = QemuVM(spec(tmp_path, virtio_fs_daemon=binary))
@@ -60,8 +60,8 @@ async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_pa
 async def test_a_missing_virtiofsd_is_named_before_anything_starts(tmp_path) -> None:
     vm = QemuVM(spec(tmp_path, virtio_fs_daemon="/nonexistent/virtiofsd"))
     with pytest.raises(MissingFile, match="virtio_fs_daemon /nonexistent/virtiofsd does not "
-                                          "exist: install virtiofsd \\(Debian 13 and later\\) "
-                                          "or qemu-system-common \\(Debian 12\\)"):
+                                          "exist: run `make install` or `podvm-node "
+                                          "install` \\(podvm's own Rust virtiofsd\\)"):
         await vm.launch()
     assert not os.path.exists(vm.spec.workdir)
 

@@ -1,4 +1,4 @@
-"""A version need marked weak (tests/virtiofsd_rust.py weaken_version), on programs gcc
+"""A version need marked weak (podvm_node/rust_virtiofsd.py weaken_version), on programs gcc
 builds against a library of two versions, then run with the library's older build: what
 makes Debian 13's virtiofsd load on Debian 12's glibc for the tests."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from tests.conftest import require_tool
-from tests.virtiofsd_rust import WeakenError, weaken_version
+from podvm_node.rust_virtiofsd import WeakenError, weaken_version
 
 LIBRARY = """
 int old_call(void) { return 1; }

@@ -1,15 +1,18 @@
-"""`python -m tests.virtiofsd_rust --out DIR`: the Rust virtiofsd, DIR/virtiofsd, so that
-the tests prove podvm speaks to it (shim/vm/virtiofsd.py) on a Debian 12 machine, whose
-own is QEMU 7.2's C daemon. Debian 13, Ubuntu 24.04 and Fedora ship only the Rust one
-(/usr/libexec/virtiofsd), which the shim picks by default where it is installed.
+"""`python -m podvm_node.rust_virtiofsd --out DIR`: the Rust virtiofsd that podvm ships,
+DIR/virtiofsd. `make install` puts it in /opt/podvm/libexec and the node bundle carries it
+there (podvm_node/bundle.py); it is the pods' file server by default (shim/config.py),
+Debian 12's node included, whose own daemon is QEMU 7.2's C one: that one keeps a
+descriptor on its /proc through which a guest that takes it over reaches
+/proc/sys/kernel/core_pattern as root (tests/vm/test_virtiofsd_jail.py), and QEMU 8.0
+dropped it. The tests serve pods with the same file (tests/vmconfig.py).
 
 It is Debian 13's package, fetched through an apt state of this build's own (DIR/apt: its
 lists and Debian's archive keyring, so that apt checks what it fetches; the host's apt
 configuration is left alone). It needs glibc 2.39 for two calls alone, pidfd_spawnp and
 pidfd_getpid, weak references that Rust's standard library looks up and does without:
 that need is marked weak (weaken_version), so Debian 12's glibc 2.36 loads it. Fetched
-again only when Debian's version changes (DIR/VERSION); the last one serves when the
-mirror cannot be reached."""
+again only when Debian's version changes (DIR/VERSION: security updates come through
+Debian's lists); the last one serves when the mirror cannot be reached."""
 from __future__ import annotations
 
 import argparse
