@@ -127,7 +127,7 @@ test-busy: guest virtiofsd
 	echo "CPU hog (pid $$hog) on CPU $${hog_cpu:-0} for the whole run"; \
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-bench: guest
+bench: guest virtiofsd
 	$(VENV)/bin/python bench/ttrpc_bench.py
 	$(VENV)/bin/python bench/pod_bench.py
 	$(VENV)/bin/python bench/scale.py
@@ -144,7 +144,7 @@ bench: guest
 	$(VENV)/bin/python bench/webhook_bench.py
 	$(VENV)/bin/python bench/monitor_bench.py
 
-demo: guest
+demo: guest virtiofsd
 	$(VENV)/bin/python -m tests.e2e.demo
 
 clean:
