@@ -7,9 +7,10 @@ Two paths in the sandbox's state directory:
   attaches the container's rootfs and host files on them.
 - `export/`: a read-only bind of `shared/` (its peer: every mount attached in `shared/`
   appears there too, with its own flags). virtiofsd (or QEMU, over 9p) exports this one.
-So the guest writes only inside a container's rootfs and its read-write volumes, as the
-container could under runc; it cannot create, remove or replace a single entry of the
-structure the shim walks (EROFS), and cannot fill the state directory's tmpfs.
+So the guest writes only inside a container's rootfs (where its writable layer is not
+in the guest) and its read-write volumes, as the container could under runc; it cannot
+create, remove or replace a single entry of the structure the shim walks (EROFS), and
+cannot fill the state directory's tmpfs (the pod's /etc files are bound read-only).
 
 And beneath that, every path the shim makes, mounts on, unmounts or removes is resolved
 below a descriptor of `shared/` without following a symlink or crossing a mount it did not
@@ -84,17 +85,22 @@ class Share:
         self._root = root
 
     def add(self, container_id: str, rootfs: str, rootfs_from_host: bool,
-            binds: list[tuple[str, str, bool, bool]]) -> None:
+            binds: list[tuple[str, str, bool, bool]], *,
+            rootfs_readonly: bool = False) -> None:
         """The container's directory: `rootfs` attached on `<id>/rootfs`, and each
         (source, name, readonly, recursive_readonly) of `binds` on `<id>/mounts/<name>`.
         Host sources are taken as the host's mount namespace sees them (shim/host/mountns.py);
-        `rootfs_from_host` False: it is the shim's own mount. All or nothing: on failure
-        what was attached is detached and the directory removed."""
+        `rootfs_from_host` False: it is the shim's own mount. `rootfs_readonly`: the
+        container's writable layer is in the guest, which only reads its image here: the
+        rootfs is read-only all the way down, so that guest root reaching the share writes
+        nothing (setuid files included) into containerd's snapshot on the host, where no
+        limit holds it. All or nothing: on failure what was attached is detached and the
+        directory removed."""
         container = self._make_container_dir(container_id)
         try:
             target = beneath.make_dir(container, "rootfs", _DIR_MODE)
             try:
-                _bind(rootfs, target, rootfs_from_host, False, False)
+                _bind(rootfs, target, rootfs_from_host, rootfs_readonly, rootfs_readonly)
             finally:
                 os.close(target)
             if binds:

@@ -4,7 +4,12 @@ containerd's CRI mounts these from the sandbox's root directory only when its ow
 sandbox controller wrote them there; with the "shim" sandboxer it leaves them to the
 shim. podvm writes them from the PodSandboxConfig into the pod's state directory (which
 goes with the pod) and binds them into each container that does not mount the path
-itself, read-only when its rootfs is, as containerd's CRI does. Contents follow
+itself, always read-only: the state directory is on the host's /run, a tmpfs on a node,
+and whatever a container wrote there (`dd of=/etc/hosts`) would fill it, and with it
+containerd's, kubelet's and every pod's sockets. This is podvm's one difference from
+runc, whose containers get them read-only only when their rootfs is: a program that
+rewrites /etc/hosts meets EROFS. (Kubernetes pods mostly do not: kubelet mounts its own
+/etc/hosts, from its disk, which the container keeps writable.) Contents follow
 containerd's pod sandbox controller: the hostname and a newline; resolv.conf from
 dns_config (`search`, `nameserver` lines, `options`), else the host's; hosts the loopback
 names alone (the VM's network is the pod's own: none of the host's names apply)."""
@@ -74,12 +79,12 @@ def resolv_conf(servers: Sequence[str], searches: Sequence[str],
 
 
 def with_mounts(spec: dict, files: Mapping[str, str]) -> dict:
-    """`spec` (not changed) with a bind of each of `files` ({destination: host file})
-    that it does not mount itself; read-only when its rootfs is."""
+    """`spec` (not changed) with a read-only bind of each of `files` ({destination: host
+    file}) that it does not mount itself: read-only on the host too (shim/host/share.py),
+    so that not even guest root writes the host's tmpfs through them."""
     mounts = list(spec.get("mounts") or [])
     taken = {os.path.normpath(m.get("destination") or "/") for m in mounts}
-    mode = "ro" if (spec.get("root") or {}).get("readonly") else "rw"
     added = [{"destination": destination, "type": "bind", "source": source,
-              "options": ["rbind", "rprivate", mode]}
+              "options": ["rbind", "rprivate", "ro"]}
              for destination, source in files.items() if destination not in taken]
     return dict(spec, mounts=mounts + added) if added else spec

@@ -280,10 +280,12 @@ class Machine(MachineResize, MachineRestore):
         return self.vm.console_tail() if self.vm else "(no VM)"
 
     def share_container(self, container_id: str, bundle: str, rootfs: list[Mount],
-                        binds: tuple[guestspec.HostBind, ...]) -> None:
+                        binds: tuple[guestspec.HostBind, ...], *,
+                        writable_in_guest: bool = False) -> None:
         """Mount the container's rootfs on its bundle (as containerd expects) and attach
         it, with its other host files, in the shared directory (shim/host/share.py). All or
-        nothing."""
+        nothing. `writable_in_guest`: its writable layer is on the scratch disk
+        (GuestSpec.rootfs_lower), so the guest only reads the rootfs: shared read-only."""
         self.record(rootfs={**self.state.rootfs,
                              container_id: os.path.join(bundle, "rootfs")})
         try:
@@ -294,7 +296,8 @@ class Machine(MachineResize, MachineRestore):
             # the rootfs this shim mounted is in the pod's mount namespace only
             self.share.add(container_id, os.path.join(bundle, "rootfs"),
                            rootfs_from_host=not rootfs,
-                           binds=[(b.source, b.name, b.readonly, b.recursive) for b in binds])
+                           binds=[(b.source, b.name, b.readonly, b.recursive) for b in binds],
+                           rootfs_readonly=writable_in_guest)
         except BaseException:
             self.unshare_container(container_id)
             raise

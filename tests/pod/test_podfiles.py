@@ -75,13 +75,15 @@ def test_every_file_bound_where_the_spec_mounts_nothing() -> None:
     spec = container_spec()
     out = with_mounts(spec, FILES)
     assert out["mounts"][1:] == [
-        {"destination": d, "type": "bind", "source": s, "options": ["rbind", "rprivate", "rw"]}
+        {"destination": d, "type": "bind", "source": s, "options": ["rbind", "rprivate", "ro"]}
         for d, s in FILES.items()]
     assert spec == container_spec()  # the caller's spec is left alone
 
 
-def test_read_only_when_the_rootfs_is() -> None:
-    out = with_mounts(container_spec(readonly=True), FILES)
+@pytest.mark.parametrize("readonly", [False, True])
+def test_read_only_whether_the_rootfs_is_or_not(readonly: bool) -> None:
+    """They are on the host's /run: a container that could write them would fill it."""
+    out = with_mounts(container_spec(readonly=readonly), FILES)
     assert {m["destination"]: m["options"][-1] for m in out["mounts"][1:]} == \
         dict.fromkeys(FILES, "ro")
 
@@ -101,7 +103,7 @@ def test_no_files_no_change() -> None:
 
 
 def test_they_reach_the_guest_as_binds_of_the_shared_directory() -> None:
-    guest = guestspec.rewrite(with_mounts(container_spec(readonly=True), FILES), "c1",
+    guest = guestspec.rewrite(with_mounts(container_spec(), FILES), "c1",
                               submounts=lambda source: [])
     assert {(b.source, b.readonly) for b in guest.binds} == \
         {(s, True) for s in FILES.values()}

@@ -1,7 +1,8 @@
 """containerd 2.x's CRI leaves /etc/resolv.conf, /etc/hosts and /etc/hostname of a
 "shim"-sandboxer pod to the shim: containers created through the Task API find the ones
-podvm wrote from the PodSandboxConfig, read-only when their rootfs is, and not where they
-mount the path themselves; the files go with the pod."""
+podvm wrote from the PodSandboxConfig, read-only (they are on the host's /run:
+test_pod_files_bounded.py), and not where they mount the path themselves; the files go
+with the pod."""
 from __future__ import annotations
 
 import asyncio
@@ -30,13 +31,18 @@ def rootfs(tmp_path_factory) -> pathlib.Path:
 
 async def run_container(pod, tmp_path: pathlib.Path, rootfs: pathlib.Path, cid: str,
                         script: str, readonly: bool = False,
-                        mounts: list[dict] | None = None) -> str:
+                        mounts: list[dict] | None = None,
+                        capabilities: list[str] | None = None) -> str:
     """Create and start a container of the pod as CRI makes it (the pod's namespaces, no
-    hostname of its own); what it printed until it exited."""
+    hostname of its own); what it printed until it exited. `capabilities`: its process's
+    (none by default)."""
     bundle = tmp_path / cid
     (bundle / "rootfs").mkdir(parents=True)
     c_spec = spec(["sh", "-c", script + "; echo END"])
     c_spec["root"]["readonly"] = readonly
+    if capabilities:
+        c_spec["process"]["capabilities"] = dict.fromkeys(
+            ("bounding", "effective", "permitted"), capabilities)
     c_spec["mounts"] += mounts or []
     c_spec["linux"]["namespaces"] = [{"type": t, "path": f"/proc/1/ns/{t}"}
                                      for t in ("pid", "ipc", "uts")] + [{"type": "mount"}]
@@ -78,9 +84,9 @@ async def test_containers_get_the_pods_resolv_conf_hosts_and_hostname(tmp_path,
         assert "hostname=dns-pod uname=dns-pod\n" in out
         assert "\n2\n" in out  # the two loopback lines
         mount_line = out.splitlines()[-2]
-        assert mount_line.split()[3].split(",")[0] == "rw"  # its rootfs is writable
+        assert mount_line.split()[3].split(",")[0] == "ro"  # though its rootfs is writable
 
-        # A read-only rootfs gets them read-only; its own /etc/hosts stays its own
+        # A read-only rootfs too; its own /etc/hosts stays its own
         own_hosts = tmp_path / "own-hosts"
         own_hosts.write_text("10.0.0.1\tmine\n")
         out = await run_container(
