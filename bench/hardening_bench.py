@@ -33,6 +33,7 @@ import os
 import pathlib
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,7 +88,12 @@ def configurations(bzimage: str = "", before: str = "",
     return rows
 
 
-def before_runtime(tree: pathlib.Path, work: pathlib.Path) -> None:
+def before_config(config: pathlib.Path) -> pathlib.Path:
+    """The configuration file of --before-tree's runtime, beside this tree's."""
+    return config.with_name(f"before-{config.name}")
+
+
+def before_runtime(tree: pathlib.Path, work: pathlib.Path) -> set[str]:
     """A second podvm runtime whose shim is `tree`'s: containerd runs
     containerd-shim-podvmbefore-v2 from its PATH, a wrapper that imports the shim from
     `tree` (with this checkout's generated protobuf modules where it has none)."""
@@ -110,10 +116,22 @@ def before_runtime(tree: pathlib.Path, work: pathlib.Path) -> None:
         text = section(config_path)
         again = text.replace(".runtimes.podvm]", f".runtimes.{BEFORE}]").replace(
             ".runtimes.podvm.options]", f".runtimes.{BEFORE}.options]").replace(
-            '"io.containerd.podvm.v2"', '"io.containerd.podvmbefore.v2"')
+            '"io.containerd.podvm.v2"', '"io.containerd.podvmbefore.v2"').replace(
+            str(config_path), str(before_config(pathlib.Path(str(config_path)))))
         return text + "\n" + again
 
     harness.podvm_runtime_section = both
+    return before_keys(tree)
+
+
+def before_keys(tree: pathlib.Path) -> set[str]:
+    """The configuration keys `tree`'s shim knows (it refuses any other)."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import dataclasses, shim.config as c; print(' '.join("
+         "f.name for d in (c.HypervisorConfig, c.RuntimeConfig) for f in dataclasses.fields(d)))"],
+        env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree, capture_output=True,
+        text=True, check=True).stdout
+    return set(out.split())
 
 
 @dataclasses.dataclass
@@ -127,7 +145,18 @@ class Sample:
 
 
 def write(path: pathlib.Path, work: pathlib.Path, accel: str, template: bool,
-          keys: dict[str, object]) -> None:
+          keys: dict[str, object], known: set[str] | None = None) -> None:
+    """The configuration of a row; one of --before-tree's goes to before_config(path),
+    without the keys that tree does not know (`known`)."""
+    if keys.get(RUNTIME) == BEFORE:
+        assert known is not None
+        write(path, work, accel, template, {k: v for k, v in keys.items() if k != RUNTIME})
+        before = before_config(path)
+        before.write_text("".join(
+            line for line in path.read_text().splitlines(keepends=True)
+            if "=" not in line or line.split("=", 1)[0].strip() in known or
+            line.lstrip().startswith("[")))
+        return
     own = {k: v for k, v in keys.items() if k == "kernel"}  # write_test_config writes it
     write_test_config(path, accel=accel, enable_template=template,
                       template_path=str(work / "templates"), **own)
@@ -160,8 +189,8 @@ def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
     samples: dict[tuple[str, str], list[Sample]] = {(r, m): [] for r in rows for m in modes}
     with tempfile.TemporaryDirectory(prefix="podvm-hardening-") as tmp:
         work = pathlib.Path(tmp)
-        if args.before_tree:
-            before_runtime(pathlib.Path(args.before_tree).resolve(), work)
+        known = before_runtime(pathlib.Path(args.before_tree).resolve(), work) \
+            if args.before_tree else None
         config = work / "podvm.toml"
         write(config, work, args.accel, False, {})
         with Containerd(work / "containerd", namespace="podvm-hardening", cri=True,
@@ -171,14 +200,14 @@ def run(args: argparse.Namespace) -> dict[tuple[str, str], list[Sample]]:
             count = 0
             if "template" in modes:
                 for i, (row, keys) in enumerate(rows.items()):
-                    write(config, work, args.accel, True, keys)
+                    write(config, work, args.accel, True, keys, known)
                     one_pod(ctd, crictl, work, f"w{i}", 0, str(keys.get(RUNTIME, "podvm")))
                     print(f"template made: {row}", flush=True)
             for rnd in range(args.rounds):
                 order = list(rows.items())
                 for row, keys in order if rnd % 2 == 0 else reversed(order):
                     for mode in modes if rnd % 2 == 0 else reversed(modes):
-                        write(config, work, args.accel, mode == "template", keys)
+                        write(config, work, args.accel, mode == "template", keys, known)
                         count += 1
                         s = one_pod(ctd, crictl, work, f"p{count}", args.settle,
                                     str(keys.get(RUNTIME, "podvm")))
