@@ -159,6 +159,14 @@ def exclusive_plan(requested: int) -> tuple[str, str]:
     return format_cpu_list(mine), format_cpu_list(free - set(mine))
 
 
+def virtio_fs_daemon() -> str:
+    """podvm's Rust virtiofsd where it is installed, else the one `make virtiofsd` fetched
+    into this checkout (`make bench` does)."""
+    installed = config.default_virtio_fs_daemon()
+    return installed if os.path.isfile(installed) else \
+        str(pathlib.Path(__file__).resolve().parents[1] / "build" / "virtiofsd" / "virtiofsd")
+
+
 def write_config(path: pathlib.Path, guest: pathlib.Path, accel: str, shape: PodShape,
                  runtime: dict[str, object]) -> pathlib.Path:
     lines = ["[hypervisor.qemu]", f'kernel = "{guest / "vmlinux"}"',
@@ -167,7 +175,8 @@ def write_config(path: pathlib.Path, guest: pathlib.Path, accel: str, shape: Pod
              f"default_memory = {GUEST_MIB}", "boot_timeout = 600",
              # the run's own templates and scratch disks, removed with its work directory
              f'template_path = "{path.parent / "templates"}"',
-             f'scratch_path = "{path.parent / "scratch"}"']
+             f'scratch_path = "{path.parent / "scratch"}"',
+             f'virtio_fs_daemon = "{virtio_fs_daemon()}"']
     if (guest / "rootfs.img").is_file():  # an image whose root is a disk of its own
         lines.append(f'image = "{guest / "rootfs.img"}"')
     lines += ["[runtime]", 'sizing = "max"']
