@@ -276,15 +276,14 @@ NAMESPACE_KINDS = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup")
 def confinement(pid: int) -> dict:
     """How process `pid` is confined, from /proc: its uid and gid, seccomp mode (2: a
     filter), no_new_privs, its effective capabilities by name, and the namespaces it
-    does not share with its parent (the jail's; virtiofsd's sandbox); {} when it is
-    gone."""
+    does not share with the caller (podvmctl run on the node: the node's; the jail's,
+    virtiofsd's sandbox, the pod's mount namespace); {} when it is gone. The caller's
+    own, not PID 1's: a container runtime may keep even root from /proc/1/ns."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        parent = fields["PPid"].strip()
         own = [kind for kind in NAMESPACE_KINDS
-               if os.readlink(f"/proc/{pid}/ns/{kind}") !=
-               os.readlink(f"/proc/{parent}/ns/{kind}")]
+               if os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}")]
     except (OSError, KeyError):
         return {}
     return {"uid": int(fields["Uid"].split()[0]), "gid": int(fields["Gid"].split()[0]),

@@ -55,10 +55,12 @@ from .qemu_command import virtio_fs_socket
 
 log = logging.getLogger("podvm.virtiofsd")
 
-XATTR_MAP = ":ok:all:security.capability:::map::user.virtiofs.:"
-"""security.capability as it is (QEMU 7.2's virtiofsd fails every chown, EBADF, once that
-name is remapped), which it cannot set (no setfcap); every other name under
-`user.virtiofs.`."""
+XATTR_MAP = ":ok:all:security.capability:security.capability::map::user.virtiofs.:"
+"""security.capability as it is, both ways (QEMU 7.2's virtiofsd fails every chown, EBADF,
+once that name is remapped), which it cannot set (no setfcap); every other name under
+`user.virtiofs.`. An `ok` rule matches the guest's names by its key and the host's (in
+listings) by its prepend field: with an empty one every host name was listed as it is
+(tests/e2e/test_confinement.py lists them)."""
 START_TIMEOUT = 10  # seconds: a host process binding a socket, not a guest booting
 CLONE_NEWIPC, CLONE_NEWUTS = 0x08000000, 0x04000000
 _LISTENING = 0x00010000  # __SO_ACCEPTCON in /proc/net/unix's Flags
