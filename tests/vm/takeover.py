@@ -108,33 +108,17 @@ def powers_of(pid: int) -> Powers:
                   if int(status["Seccomp"]) == 2 else ())
 
 
-def _filters(pid: int) -> list[bytes]:
-    """The process's filters, the newest first: PTRACE_SECCOMP_GET_FILTER on it stopped."""
-    c = _libc()
+def in_child(fn: Callable[[], object]) -> object:
+    """`fn()` run in a forked child (to change its namespaces, ids and filters without
+    touching the test's process): its JSON-able result, or RuntimeError with what it
+    raised or that it died."""
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
         os.close(read)
-        answer: dict = {}
+        answer: dict = {"error": "no answer"}
         try:
-            _syscall(c, _SYS_PTRACE, _PTRACE_SEIZE, pid, 0, 0)
-            _syscall(c, _SYS_PTRACE, _PTRACE_INTERRUPT, pid, 0, 0)
-            os.waitpid(pid, _WALL)
-            found = []
-            while True:
-                try:
-                    count = _syscall(c, _SYS_PTRACE, _PTRACE_SECCOMP_GET_FILTER, pid,
-                                     len(found), 0)
-                except OSError as exc:
-                    if exc.errno == 2:  # ENOENT: no filter at that index
-                        break
-                    raise
-                program = ctypes.create_string_buffer(count * 8)
-                _syscall(c, _SYS_PTRACE, _PTRACE_SECCOMP_GET_FILTER, pid, len(found),
-                         program)
-                found.append(program.raw.hex())
-            _syscall(c, _SYS_PTRACE, _PTRACE_DETACH, pid, 0, 0)
-            answer = {"filters": found}
+            answer = {"result": fn()}
         except BaseException as exc:  # noqa: BLE001 - said to the parent
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -142,11 +126,40 @@ def _filters(pid: int) -> list[bytes]:
             os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
-        answer = json.loads(f.read() or b'{"error": "the reader died"}')
+        answer = json.loads(f.read() or b'{"error": "the child died"}')
     os.waitpid(child, 0)
     if "error" in answer:
-        raise OSError(f"the seccomp filter of {pid}: {answer['error']}")
-    return [bytes.fromhex(h) for h in answer["filters"]]
+        raise RuntimeError(answer["error"])
+    return answer["result"]
+
+
+def _filters(pid: int) -> list[bytes]:
+    """The process's filters, the newest first: PTRACE_SECCOMP_GET_FILTER on it stopped."""
+    c = _libc()
+
+    def read_filters() -> list[str]:
+        _syscall(c, _SYS_PTRACE, _PTRACE_SEIZE, pid, 0, 0)
+        _syscall(c, _SYS_PTRACE, _PTRACE_INTERRUPT, pid, 0, 0)
+        os.waitpid(pid, _WALL)
+        found = []
+        while True:
+            try:
+                count = _syscall(c, _SYS_PTRACE, _PTRACE_SECCOMP_GET_FILTER, pid,
+                                 len(found), 0)
+            except OSError as exc:
+                if exc.errno == 2:  # ENOENT: no filter at that index
+                    break
+                raise
+            program = ctypes.create_string_buffer(count * 8)
+            _syscall(c, _SYS_PTRACE, _PTRACE_SECCOMP_GET_FILTER, pid, len(found), program)
+            found.append(program.raw.hex())
+        _syscall(c, _SYS_PTRACE, _PTRACE_DETACH, pid, 0, 0)
+        return found
+
+    try:
+        return [bytes.fromhex(h) for h in in_child(read_filters)]
+    except RuntimeError as exc:
+        raise OSError(f"the seccomp filter of {pid}: {exc}") from None
 
 
 def take_over(pid: int, attempts: dict[str, Attempt],
@@ -156,25 +169,10 @@ def take_over(pid: int, attempts: dict[str, Attempt],
     daemon whose filter allowed more, would have)."""
     powers = powers_of(pid)
     c = _libc()
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(read)
-        outcome: dict = {}
-        try:
-            outcome = _enter_and_attempt(c, powers, attempts, with_filter)
-        except BaseException as exc:  # noqa: BLE001 - said to the parent
-            outcome = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            os.write(write, json.dumps(outcome).encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        outcome = json.loads(f.read() or b'{"error": "the attacker died"}')
-    os.waitpid(child, 0)
-    if "error" in outcome:
-        raise RuntimeError(f"the takeover of {pid} could not be set up: {outcome['error']}")
-    return outcome
+    try:
+        return in_child(lambda: _enter_and_attempt(c, powers, attempts, with_filter))
+    except RuntimeError as exc:
+        raise RuntimeError(f"the takeover of {pid} could not be set up: {exc}") from None
 
 
 def _enter_and_attempt(c: ctypes.CDLL, powers: Powers, attempts: dict[str, Attempt],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import os
 import pathlib
 import resource
@@ -35,6 +34,7 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import VMSpec
 from shim.vm.qemu import QemuVM
 from tests.conftest import require_root
+from tests.vm.takeover import in_child
 from tests.vmconfig import vm_config
 
 ON_THE_VMS = pytest.mark.asyncio(loop_scope="module")
@@ -205,29 +205,21 @@ def run_as(qemu_pid: int | None, fn, *args):
                    for kind, flag in NAMESPACES]
     else:
         ids, groups, keep = 0, (), ()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for fd, flag in entered:
-                if c.setns(fd, flag) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns {flag:#x}")
-            jail.drop_privileges(keep, ids, groups)
-            if qemu_pid is not None:
-                pidfilter.install()
-            answer = {"result": fn(*args)}
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(write)
-    for fd, _ in entered:
-        os.close(fd)
-    with os.fdopen(read, "rb") as f:
-        answer = json.loads(f.read() or b'{"error": "the attacker died"}')
-    os.waitpid(pid, 0)
-    assert "result" in answer, answer
-    return answer["result"]
+
+    def attacker():
+        for fd, flag in entered:
+            if c.setns(fd, flag) != 0:
+                raise OSError(ctypes.get_errno(), f"setns {flag:#x}")
+        jail.drop_privileges(keep, ids, groups)
+        if qemu_pid is not None:
+            pidfilter.install()
+        return fn(*args)
+
+    try:
+        return in_child(attacker)
+    finally:
+        for fd, _ in entered:
+            os.close(fd)
 
 
 class Node:
