@@ -20,6 +20,8 @@ import errno
 import os
 import zlib
 
+import psutil
+
 CLAIMS = "/run/podvm/jail-ids"
 
 
@@ -145,17 +147,8 @@ def _drop_stale(directory: int, first: int, count: int) -> None:
 
 
 def _running_uids() -> set[int]:
-    """Every real, effective, saved and file-system uid of every process (from
-    /proc/PID/status: the owner of /proc/PID is root for a process that is not dumpable)."""
-    uids = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/status") as f:
-                    for line in f:
-                        if line.startswith("Uid:"):
-                            uids.update(int(u) for u in line.split()[1:])
-                            break
-            except (OSError, ValueError):
-                pass
+    """Every real, effective and saved uid of every process."""
+    uids: set[int] = set()
+    for proc in psutil.process_iter(["uids"]):
+        uids.update(proc.info["uids"] or ())
     return uids
