@@ -13,8 +13,8 @@ import os
 import pathlib
 
 from .cri import write_config
-from .test_crictl import container_config, pod_config, wait_for
-from .test_hostile_guest import _wait_file
+from .test_crictl import pod_config, wait_for
+from .test_hostile_guest import _wait_file, escaping_container
 from .test_podvm_pods import (configs, crictl, ctd, podvm_leftovers,  # noqa: F401
                               remove_pod)
 
@@ -73,15 +73,8 @@ def test_guest_root_cannot_write_the_containers_image_on_the_host(
                                              "security_context": {"privileged": True}}))
     pod_id = crictl.runp(pod_file, runtime="podvm")
     try:
-        attacker = dict(container_config("image-writer", (
-            "touch /attacker-marker; "
-            "echo 1 > /proc/sys/kernel/core_pipe_limit; "
-            "echo '|/proc/%P/root/bin/busybox sh /proc/%P/root/tools/escape.sh' "
-            "> /proc/sys/kernel/core_pattern; "
-            "ulimit -c unlimited; while [ ! -e /go ]; do sleep 0.2; done; "
-            "sh -c 'kill -SEGV $$'; exec sleep 1000")),
-            linux={"security_context": {"privileged": True}},
-            mounts=[{"container_path": "/tools", "host_path": str(tools), "readonly": True}])
+        attacker = escaping_container("image-writer", tools,
+                                      "while [ ! -e /go ]; do sleep 0.2; done; ")
         cid = crictl.create(pod_id, write_config(configs, "image-writer.json", attacker),
                             pod_file)
         crictl.start(cid)

@@ -151,14 +151,7 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
         pod_files = _pod_files(ctd, pod_id)  # before any container could write them
         shims = [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd]
         before = {pid: set(_mount_points(pid)) for pid in ("self", *shims)}
-        attacker = dict(container_config("attacker", (
-            "touch /attacker-marker; "
-            "echo 1 > /proc/sys/kernel/core_pipe_limit; "
-            "echo '|/proc/%P/root/bin/busybox sh /proc/%P/root/tools/escape.sh' "
-            "> /proc/sys/kernel/core_pattern; "
-            "ulimit -c unlimited; sh -c 'kill -SEGV $$'; exec sleep 1000")),
-            linux={"security_context": {"privileged": True}},
-            mounts=[{"container_path": "/tools", "host_path": str(tools), "readonly": True}])
+        attacker = escaping_container("attacker", tools)
         attacker_id = crictl.create(pod_id, write_config(configs, "attacker.json", attacker),
                                     pod_file)
         crictl.start(attacker_id)
@@ -233,6 +226,20 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
     finally:
         remove_pod(crictl, pod_id)
     assert podvm_leftovers(ctd, pod_id) == []
+
+
+def escaping_container(name: str, tools: pathlib.Path, before_crash: str = "") -> dict:
+    """A privileged container that makes the guest kernel's core-dump helper
+    `tools`/escape.sh (run by the guest's root, outside every container) and crashes,
+    after `before_crash` (shell) has run."""
+    return dict(container_config(name, (
+        "touch /attacker-marker; "
+        "echo 1 > /proc/sys/kernel/core_pipe_limit; "
+        "echo '|/proc/%P/root/bin/busybox sh /proc/%P/root/tools/escape.sh' "
+        "> /proc/sys/kernel/core_pattern; "
+        f"ulimit -c unlimited; {before_crash}sh -c 'kill -SEGV $$'; exec sleep 1000")),
+        linux={"security_context": {"privileged": True}},
+        mounts=[{"container_path": "/tools", "host_path": str(tools), "readonly": True}])
 
 
 def _a_container_with_volumes(ctd, crictl, configs, pod_id, pod_file, attacker_id, volume,
