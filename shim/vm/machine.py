@@ -26,7 +26,7 @@ from ..network import remote
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
-from . import guestspec, vmm
+from . import guestspec, vmm, vmmlog, workdir
 from .resize import MachineResize
 from .restore import MachineRestore
 from . import template as templates
@@ -168,6 +168,8 @@ class Machine(MachineResize, MachineRestore):
     def _spec(self) -> VMSpec:
         """The VM the plan sizes, its directories made."""
         os.makedirs(self.vm_dir, mode=0o700, exist_ok=True)
+        # bounded: a QEMU taken over fills this, not the node's /run
+        workdir.bound(self.vm_dir, vmmlog.room_for(self.config.qemu.console_log_max_kib))
         self.share.create()
         # A static VM never grows: no vCPU slots to keep (under TCG each is a thread).
         static = self.config.runtime.static_sandbox_resource_mgmt
@@ -342,6 +344,7 @@ class Machine(MachineResize, MachineRestore):
         for container_id in list(self.state.rootfs):
             self.unshare_container(container_id)
         self.share.destroy()
+        workdir.unbound(self.vm_dir)
         remove_tree(self.vm_dir)
         self.record(qemu_pid=0, qemu_start_time=None, qemu_jail_id=None)
 

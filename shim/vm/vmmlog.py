@@ -26,6 +26,12 @@ _CHUNK = 64 << 10
 _ROUND = 16  # chunks a call copies at most: a VMM that writes without end cannot hold the loop
 
 
+def room_for(console_log_max_kib: int) -> int:
+    """The bytes a VM's logs take at most: the console's and QEMU's and virtiofsd's own,
+    each twice (a log past its cap is replaced by a new file, made before the old goes)."""
+    return 2 * ((console_log_max_kib << 10) + 2 * LOG_MAX_BYTES)
+
+
 class PipeLog:
     """A pipe whose write end (`fileno()`) a VMM gets as stdout and stderr, copied into
     `path` at most `max_bytes`. Pass it to the spawn, then close() the shim's write end."""

@@ -6,7 +6,10 @@ refused (ELOOP), a FIFO is opened without blocking and refused as no regular fil
 new file is made new (O_EXCL) and renamed over the name (podvm_core/atomic.py), a
 socket is connected through the descriptor the name gave. The directory's own path is
 the shim's (its parent is the pod's state directory, which QEMU cannot see): only the
-names in it are QEMU's."""
+names in it are QEMU's.
+
+A pod's work directory is also a tmpfs of its own (`bound`), of a few MiB and a few
+dozen files: what a QEMU taken over writes there fills that, not the node's /run."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +20,34 @@ from collections.abc import Iterator
 
 from podvm_core.atomic import replace_at
 
+from ..host import mounts
+
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+SLACK_BYTES = 1 << 20
+"""Room beyond the logs: QEMU's pid file and sockets, virtiofsd's socket."""
+FILES = 64
+"""The most files (inodes) the directory holds: a dozen are used."""
+
+
+def bound(path: str, logs: int) -> None:
+    """A tmpfs of `logs` bytes (vmmlog.room_for) and SLACK_BYTES, and of FILES files,
+    mounted on the shim's directory `path`
+    (not yet used), unless it is a mount point already. The pod's shim daemon makes it in
+    the pod's own mount namespace (shim/host/mountns.py): the shim, QEMU and virtiofsd
+    see it, the node does not, and it goes with the namespace's last process if the
+    shim cannot `unbound` it. Its pages are charged to the memory cgroup of whoever
+    wrote them: QEMU's, the pod's."""
+    if os.path.ismount(path):
+        return
+    mounts.mount(mounts.Mount("tmpfs", "podvm-vm", (
+        f"size={logs + SLACK_BYTES}", f"nr_inodes={FILES}", "mode=0700", "nosuid", "nodev", "noexec")),
+        path)
+
+
+def unbound(path: str) -> None:
+    """The tmpfs `bound` mounted on `path` detached, with what was in it."""
+    mounts.unmount(path)
 
 
 def open_dir(path: str) -> int:

@@ -7,16 +7,24 @@ directory grow, and the files still say what podvm wrote. The namespace's direct
 /run/podvm is a tmpfs of the test's own, as /run is on a node: what lands there shows in
 its free space alone, not drowned by what other programs write the machine's disk.
 
+The same for a QEMU a guest took over (tests/vm/takeover.py: its uid, namespaces and
+filters): it writes its work directory, the one directory of the node it can write,
+until it is refused; that is a tmpfs of the pod's own (shim/vm/workdir.py), and the
+node's /run does not move.
+
 containerd 2.x's CRI is played by the harness over ttrpc against the real shim binary:
 Debian's containerd 1.6 writes these files itself and never hands them to the shim."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from shim.host import mounts, paths
+from shim.vm import vmmlog, workdir
+from tests.vm import takeover
 from tests.contract.test_process_contract import wait_gone
 
 from tests.api.sandbox.harness import MIB, NS, sandbox_shim
@@ -105,3 +113,55 @@ async def _write_the_files(tmp_path, rootfs) -> None:  # noqa: F811
                        sb.ShutdownSandboxResponse)
         await wait_gone(pod.daemon_pid, timeout=60)
         assert not os.path.exists(pod_dir)
+
+
+async def test_a_qemu_taken_over_fills_its_own_bounded_directory_not_the_node_s_run(
+        tmp_path, rootfs) -> None:  # noqa: F811
+    with run_tmpfs():
+        async with sandbox_shim(tmp_path) as pod:
+            await pod.create(pod.config(memory=128 * MIB))
+            pod_dir = pathlib.Path(paths.state_dir(NS, pod.id))
+            await pod.call("StartSandbox", sb.StartSandboxRequest(sandbox_id=pod.id),
+                           sb.StartSandboxResponse)
+            qemu = json.loads((pod_dir / "sandbox.json").read_text())["qemu_pid"]
+            free = _free(str(pod_dir))
+
+            said = takeover.take_over(qemu, {"fill": _fill(str(pod_dir / "vm"))})["fill"]
+
+            moved = free - _free(str(pod_dir))
+            room = vmmlog.room_for(256) + workdir.SLACK_BYTES  # the test configuration's
+            assert said.startswith("refused") and moved < BOUND, (
+                f"QEMU's writes reached the node: {said}; the free space of /run fell by "
+                f"{moved / MIB:.1f} MiB")
+            assert int(said.split()[2]) <= room, said
+            # the pod lives on, its logs no longer kept; it goes as it came
+            out = await run_container(pod, tmp_path, rootfs, "after", "echo alive")
+            assert out == "alive\nEND\n"
+            await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
+                           sb.StopSandboxResponse)
+            await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
+                           sb.ShutdownSandboxResponse)
+            await wait_gone(pod.daemon_pid, timeout=60)
+            assert not os.path.exists(pod_dir)
+
+
+def _fill(directory: str) -> takeover.Attempt:
+    """Files of 1 MiB written into `directory` up to WRITE_MIB: "reached: wrote N bytes",
+    or "refused: wrote N bytes, then <error>"."""
+    def attempt(held: takeover.Held) -> str:
+        written, chunk = 0, b"x" * MIB
+        try:
+            for n in range(WRITE_MIB):
+                fd = os.open(os.path.join(directory, f"fill-{n}"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    view = memoryview(chunk)
+                    while view:
+                        step = os.write(fd, view)
+                        view, written = view[step:], written + step
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            return f"refused: wrote {written} bytes, then {exc}"
+        return f"reached: wrote {written} bytes"
+    return attempt
