@@ -85,7 +85,7 @@ class PodContainers:
             log.info("container %s: left out %s", container_id, what)
         try:
             self.machine.share_container(container_id, bundle, rootfs, guest.binds,
-                                         writable_in_guest=bool(guest.rootfs_lower))
+                                         guest_reads_only=bool(guest.rootfs_lower) or pod_holder)
             await self._agent().create_container(
                 container_id, json.dumps(guest.spec).encode(), stdio, sandbox=owns_vm,
                 pod_holder=pod_holder, rootfs_lower=guest.rootfs_lower,

@@ -283,11 +283,12 @@ class Machine(MachineResize, MachineRestore):
 
     def share_container(self, container_id: str, bundle: str, rootfs: list[Mount],
                         binds: tuple[guestspec.HostBind, ...], *,
-                        writable_in_guest: bool = False) -> None:
+                        guest_reads_only: bool = False) -> None:
         """Mount the container's rootfs on its bundle (as containerd expects) and attach
         it, with its other host files, in the shared directory (shim/host/share.py). All or
-        nothing. `writable_in_guest`: its writable layer is on the scratch disk
-        (GuestSpec.rootfs_lower), so the guest only reads the rootfs: shared read-only."""
+        nothing. `guest_reads_only`: the guest never writes the rootfs (its writable
+        layer is on the scratch disk, GuestSpec.rootfs_lower; or it is the pod holder's,
+        which the guest's agent stands in for): shared read-only."""
         self.record(rootfs={**self.state.rootfs,
                              container_id: os.path.join(bundle, "rootfs")})
         try:
@@ -299,7 +300,7 @@ class Machine(MachineResize, MachineRestore):
             self.share.add(container_id, os.path.join(bundle, "rootfs"),
                            rootfs_from_host=not rootfs,
                            binds=[(b.source, b.name, b.readonly, b.recursive) for b in binds],
-                           rootfs_readonly=writable_in_guest)
+                           rootfs_readonly=guest_reads_only)
         except BaseException:
             self.unshare_container(container_id)
             raise

@@ -5,7 +5,8 @@ disk, where no limit of the pod's holds what is written. A privileged container 
 to root in the guest (as in test_hostile_guest.py: a core-dump helper of its choosing,
 run by the guest kernel) and writes its own image through the share: a new file, a
 setuid copy of busybox, a setuid bit on busybox, a line in /etc/passwd, a directory, an
-applet removed, a time changed. Every one is refused, and not one entry of containerd's
+applet removed, a time changed; and the pod holder's (pause's) image beside it, which
+no process in the guest uses. Every one is refused, and not one entry of containerd's
 snapshots on the host changes; the container's own root stays the guest's to write."""
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ case "$image" in
     *) echo "no layer in the guest over the share: '$image'" > "$root/tally"; exit 1 ;;
 esac
 [ -e "$root/attacker-marker" ] && [ -x "$image/bin/busybox" ] || exit 1
+# the pod holder's (pause's) image beside it: the agent stands in for its process
+holder=
+for other in /run/podvm/shared/*/rootfs; do [ "$other" = "$image" ] || holder=$other; done
+[ -n "$holder" ] || { echo "no holder's rootfs in the share" > "$root/tally"; exit 1; }
 let=0 refused=0
 try() {
     if "$@" 2>/dev/null; then let=$((let+1)); echo "$*" >> "$root/let"
@@ -44,6 +49,8 @@ try $bb sh -c "echo 'evil::0:0::/:/bin/sh' >> $image/etc/passwd"
 try $bb mkdir "$image/planted-dir"
 try $bb rm "$image/bin/ls"
 try $bb touch "$image/etc"
+try $bb sh -c "echo guest-root-was-here > $holder/planted"
+try $bb mkdir "$holder/planted-dir"
 echo "let=$let refused=$refused done=1" > "$root/tally"
 """
 
@@ -92,7 +99,7 @@ def test_guest_root_cannot_write_the_containers_image_on_the_host(
         assert changed == [], (f"guest root changed containerd's snapshots on the host: "
                                f"{changed}; it says {tally}")
         assert counts["let"] == "0", (tally, crictl.exec(cid, "cat", "/let").stdout)
-        assert counts["refused"] == "7", tally
+        assert counts["refused"] == "9", tally
         # the container's own root is the guest's to write, as under runc
         wrote = crictl.exec(cid, "sh", "-c", "echo mine > /mine && cat /mine")
         assert (wrote.exit_code, wrote.stdout) == (0, "mine\n"), wrote
