@@ -147,7 +147,10 @@ def start_and_wait_for_a_vm(tmp_path) -> subprocess.Popen:
                               "--guest-dir", str(GUEST)], stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "stderr", "w"))
     deadline = time.monotonic() + 300
-    while not glob.glob(f"/run/podvm/{shimpods.PREFIX}{bench.pid}/*/vm/qemu.pid"):
+    # a pod's VM runs once its state names QEMU (its work directory is the pod's own
+    # tmpfs, in the pod's mount namespace: the host sees nothing there)
+    while not any(json.loads(pathlib.Path(f).read_text() or "{}").get("qemu_pid") for f in
+                  glob.glob(f"/run/podvm/{shimpods.PREFIX}{bench.pid}/*/sandbox.json")):
         assert bench.poll() is None, (tmp_path / "stderr").read_text()
         assert time.monotonic() < deadline, "the bench started no VM"
         time.sleep(0.2)
