@@ -1,6 +1,6 @@
 """packaging/kubernetes/ as the API server would take it: every object valid against the
 Kubernetes API's own schemas (kubernetes-validate, strict: an unknown or misspelt field
-is refused) for the version README.md names; kustomization.yaml lists exactly the
+is refused) for the version docs/install.md names; kustomization.yaml lists exactly the
 manifests beside it; the node DaemonSet runs podvm-node's own commands with arguments
 they take, on the ports and paths the monitor serves; the RuntimeClass schedules onto the
 label the installer sets."""
@@ -27,7 +27,7 @@ from shim import config
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "packaging" / "kubernetes"
 VERSION = "1.30"
-"""The Kubernetes version the manifests are validated against (README.md says so)."""
+"""The Kubernetes version the manifests are validated against (docs/install.md says so)."""
 CUSTOM = {("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate")}
 """cert-manager's kinds: no schema of Kubernetes' own (cert-manager validates them)."""
 INSTALLED_LABEL = (LABEL, VALUE)
@@ -78,9 +78,9 @@ def test_the_validation_refuses_what_the_api_server_would() -> None:
             kubernetes_validate.validate(bad, VERSION, strict=True)
 
 
-def test_the_readme_names_the_version_validated() -> None:
+def test_the_install_guide_names_the_version_validated() -> None:
     assert re.search(rf"validated against\s+Kubernetes\s+{re.escape(VERSION)}\b",
-                     (ROOT / "README.md").read_text())
+                     (ROOT / "docs" / "install.md").read_text())
 
 
 def test_the_kustomization_lists_every_manifest_beside_it() -> None:

@@ -42,12 +42,12 @@ def qboot(qemu_path: str) -> str:
     return beside if os.path.isfile(beside) else QBOOT
 
 
-# Each skips probing a microVM does not need; measured under TCG (README, "Guest"). The second
-# half skips boot work no pod VM uses (-0.4 s to /init under TCG): crypto self-tests, the
-# KDF self-test, kprobe events, module-signing and encrypted-key keyrings (modules load
-# unsigned-tainted, signatures are not enforced), 3 of 4 UARTs, audit, the lockup
-# watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug are untouched, and so are the
-# kernel's own defences (FAST_PARAMS below).
+# Each skips probing a microVM does not need; measured under TCG (docs/guest.md,
+# "Boot time"). The second half skips boot work no pod VM uses (-0.4 s to /init under
+# TCG): crypto self-tests, the KDF self-test, kprobe events, module-signing and
+# encrypted-key keyrings (modules load unsigned-tainted, signatures are not enforced), 3
+# of 4 UARTs, audit, the lockup watchdog. ACPI, PCI, virtio, 9p and CPU/memory hot-plug
+# are untouched, and so are the kernel's own defences (FAST_PARAMS below).
 # swiotlb=noforce: the hot-plug area reaches above 4 GiB, for which the kernel would set
 # aside 64 MiB of bounce buffers (touched at boot) that no virtio device uses.
 # noreplace-smp: a VM that boots one vCPU would rewrite every LOCK prefix of the kernel

@@ -27,8 +27,8 @@ CRNG (reseeded from host entropy), the NICs' MACs (set to the pod's; QEMU announ
 none after the load). What they still share: the agent's own process (its hash seed,
 its address layout), whatever randomness the guest kernel drew during its boot, and so
 the kernel's layout, were it randomized (the PVH-booted vmlinux is not relocated at all:
-README, "Guest"), none of it a secret from another pod (README, "Templates"). Containers
-are all started after Resume.
+docs/guest.md, "The guest kernel's defences"), none of it a secret from another pod
+(docs/design.md, "Templates"). Containers are all started after Resume.
 
 A template has the boot size of its class, not the pod's (base_of): pods that differ by
 vCPUs or whole blocks of memory share it, and each is grown to its own plan after the

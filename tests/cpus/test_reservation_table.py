@@ -1,5 +1,5 @@
-"""bench/reservation_table.py: the reservation benches' table and JSON, as a reader of the
-README or of the chart sees them."""
+"""bench/reservation_table.py: the reservation benches' table and JSON, as a reader of
+docs/benchmarks.md or of the chart sees them."""
 from __future__ import annotations
 
 import importlib.util

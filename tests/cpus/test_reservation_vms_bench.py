@@ -2,7 +2,7 @@
 it refuses a host where they do not fit, saying why; a short run on this host (real podvm
 VMs under TCG) prints a complete table; nothing it starts outlives it, on SIGTERM too,
 and what a SIGKILL left is swept by the next run. No figure is asserted: they are for
-the README."""
+docs/benchmarks.md."""
 from __future__ import annotations
 
 import glob

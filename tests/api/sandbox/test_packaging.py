@@ -24,5 +24,5 @@ def test_the_sandboxer_variant_sits_next_to_the_default() -> None:
     assert runtime["sandboxer"] == "shim"
     assert default["podvm"].get("sandboxer", "podsandbox") == "podsandbox"
     assert runtime["options"]["ConfigPath"] == default["podvm"]["options"]["ConfigPath"]
-    readme = (ROOT / "README.md").read_text()
-    assert "config-v3-sandboxer.toml" in readme and 'sandboxer = "shim"' in readme
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "config-v3-sandboxer.toml" in install and 'sandboxer = "shim"' in install
