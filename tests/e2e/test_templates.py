@@ -280,7 +280,9 @@ def made_in_the_background(ctd: Containerd, pod: str, key: str | None = None,
                      and (key is None or k == key)), "")
 
     found = wait_for("the template made in the background", saved, timeout=180)
-    assert shim_lines(ctd, pod, f"template {found} made in the background")
+    # the shim says so once the maker has returned, after the files are in the store
+    wait_for("the shim's line about it", lambda: shim_lines(
+        ctd, pod, f"template {found} made in the background"), timeout=30)
     return found
 
 
