@@ -29,7 +29,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
-from shim import tomlwrite
+from podvmctl import tomlwrite
 
 CONFIG = "/etc/containerd/config.toml"
 DROPIN = "/etc/containerd/conf.d/podvm.toml"

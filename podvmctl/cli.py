@@ -7,9 +7,10 @@ import dataclasses
 import json
 import sys
 
-from shim import __version__, config, tomlwrite
+from shim import __version__, config
 from shim.vm import templatestore
-from . import status
+
+from . import status, tomlwrite
 
 
 def _config(args: argparse.Namespace) -> int:

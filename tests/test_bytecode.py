@@ -34,7 +34,7 @@ def _stale(package: str) -> list[str]:
 
 def test_the_shims_packages_have_current_bytecode_after_compile_shim():
     # a source made newer than its bytecode, as an edit makes it, is compiled again
-    module = REPO_ROOT / "shim" / "tomlwrite.py"
+    module = REPO_ROOT / "shim" / "network" / "errors.py"
     compile_shim()
     before = os.stat(module)
     os.utime(module, ns=(before.st_atime_ns, before.st_mtime_ns + 2_000_000_000))

@@ -1,5 +1,5 @@
 """`podvmctl config`: the effective configuration printed as a configuration file
-(shim/tomlwrite.py, the writer podvm-node's containerd drop-in uses too), which loads
+(podvmctl/tomlwrite.py, the writer podvm-node's containerd drop-in uses too), which loads
 back as the same configuration, arrays and all."""
 from __future__ import annotations
 
