@@ -6,6 +6,7 @@ Read from the source with `ast`: nothing of the project is imported or run here.
 from __future__ import annotations
 
 import ast
+import builtins
 import pathlib
 import re
 
@@ -319,6 +320,113 @@ def test_only_the_api_makes_ttrpc_errors():
                 wrong.append(f"{rel}:{node.lineno}")
     assert not wrong, "TtrpcError made outside shim/api (raise a typed error):\n" + \
         "\n".join(wrong)
+
+
+SHARED_BASES: dict[tuple[str, str], str] = {
+    ("shim/vm/hypervisor.py", "VM"):
+        "the hypervisor interface: one implementation per VMM",
+    ("podvm_core/procstate.py", "Lifecycle"):
+        "the process state machine's record, which the shim's and the agent's processes are",
+    ("cgroups/manager.py", "CgroupManager"):
+        "the cgroup interface: one implementation per cgroup version",
+    ("podvm_core/fdio.py", "FdStream"):
+        "the non-blocking fd both sides copy stdio through; a FIFO is one",
+}
+"""The classes, besides exceptions, that classes in other files may inherit from, each
+with why: real interfaces and shared building blocks. (A class's own file may build on
+it freely: the process states of podvm_core/procstate.py on ProcessState.) Anything else
+is a part of one object spread over files, calling the other parts through `self` where
+no import shows it: that part is an object of its own, held and passed."""
+
+
+def _classes_and_names() -> tuple[dict[str, tuple[str, list[ast.expr]]], dict[str, dict]]:
+    """{qualified class name: (its file, its bases)} and {module: {name bound at its top
+    level by an import: what it names, qualified}}."""
+    classes, names = {}, {}
+    for path in _sources(*PRODUCTION):
+        module, rel = _module(path), str(path.relative_to(ROOT))
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        bound = names[module] = {}
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(f"{module}.{node.name}", (rel, node.bases))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    bound[alias.asname or alias.name.split(".")[0]] = \
+                        alias.name if alias.asname else alias.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] \
+                    if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{target}.{alias.name}"
+    return classes, names
+
+
+def _qualified(name: str, classes: dict, names: dict) -> str:
+    """`name` (module.Name) where it is defined, following what modules re-export."""
+    for _ in range(10):
+        module, _, attr = name.rpartition(".")
+        if name in classes or attr not in names.get(module, {}):
+            break
+        name = names[module][attr]
+    return name
+
+
+def _base_names(module: str, bases: list[ast.expr], classes: dict, names: dict) -> list[str]:
+    """The qualified names of a class's `bases`, written in `module`: builtins.X for
+    Python's own, module.Name for the project's, as written for what is neither."""
+    found = []
+    for base in bases:
+        dotted = ast.unparse(base)
+        head, _, rest = dotted.partition(".")
+        if f"{module}.{head}" in classes and not rest:
+            found.append(f"{module}.{head}")
+        elif head in names[module]:
+            found.append(_qualified(".".join(filter(None, (names[module][head], rest))),
+                                    classes, names))
+        else:
+            found.append(f"builtins.{dotted}" if dotted in dir(builtins) else dotted)
+    return found
+
+
+def _is_exception(name: str, classes: dict, names: dict, seen: frozenset = frozenset()
+                  ) -> bool:
+    """Whether the class `name` is an exception: its bases lead to one of Python's."""
+    if name.startswith("builtins."):
+        found = getattr(builtins, name.partition(".")[2], None)
+        return isinstance(found, type) and issubclass(found, BaseException)
+    if name not in classes or name in seen:
+        return False
+    module = name.rpartition(".")[0]
+    return any(_is_exception(base, classes, names, seen | {name})
+               for base in _base_names(module, classes[name][1], classes, names))
+
+
+def _inherited_across_files() -> list[tuple[str, str, str, str]]:
+    """(file, class, file of its base, base) for every production class whose base is a
+    production class of another file, exceptions left out."""
+    classes, names = _classes_and_names()
+    found = []
+    for name, (rel, bases) in sorted(classes.items()):
+        module, _, short = name.rpartition(".")
+        for base in _base_names(module, bases, classes, names):
+            if base in classes and classes[base][0] != rel and \
+                    not _is_exception(base, classes, names):
+                found.append((rel, short, classes[base][0], base.rpartition(".")[2]))
+    return found
+
+
+def test_no_class_inherits_a_part_of_another_file():
+    found = _inherited_across_files()
+    wrong = [f"{rel}: {cls} inherits {base} ({base_file})"
+             for rel, cls, base_file, base in found if (base_file, base) not in SHARED_BASES]
+    assert not wrong, "classes built from parts in other files (hold the part as an " \
+        "object instead, or list a real interface in SHARED_BASES):\n" + "\n".join(wrong)
+    unused = set(SHARED_BASES) - {(base_file, base) for _, _, base_file, base in found}
+    assert not unused, f"SHARED_BASES lists bases nothing inherits across files: {unused}"
+    assert all(reason.strip() for reason in SHARED_BASES.values())
 
 
 CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|podvm_node|guest|"

@@ -1,9 +1,11 @@
-"""One pod, whichever API made it: its planning inputs and the plan in force, the Machine
-it owns while the VM runs (shim/vm/machine.py: QEMU, the agent, the sandbox cgroup, the
-shared directory, the taps), the exclusive CPUs it holds, and where its containers run in
-the guest. Every change is one step: re-plan with the pure model, apply on the host,
-follow in the guest, commit, or put back the plan in force (shim/pod/resize.py). The
-containers and their processes are shim/pod/containers.py. The VM's exit and OOM kills
+"""One pod, whichever API made it: the Machine it owns while the VM runs
+(shim/vm/machine.py: QEMU, the agent, the sandbox cgroup, the shared directory, the taps),
+held in its VMSlot (shim/pod/vmslot.py) for its parts to find; its Resizer, with its
+planning inputs, the exclusive CPUs it holds and every change of the plan in force, each
+one step: re-plan with the pure model, apply on the host, follow in the guest, commit, or
+put back the plan in force (shim/pod/resize.py); and its Containers, the table of what
+runs in the guest and the calls on their processes (shim/pod/containers.py). The Pod
+decides the plan around each container it adds or removes. The VM's exit and OOM kills
 are told to listeners, so the Pod never calls into an API service; what it refuses or
 cannot do it raises as typed errors (shim/pod/errors.py)."""
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -26,20 +27,23 @@ from ..host import paths
 from ..host.capacity import capacity
 from ..network import remote
 from ..resources import SandboxPlan
+from ..resources.model import from_linux_resources
 from ..resources.planner import PodPlanner, planned
 from ..vm.hypervisor import HypervisorError
 from ..vm.machine import Machine
-from .containers import PodContainers
-from .errors import NotRunning, PodFilesError, StepFailed
+from .containers import Containers
+from .errors import NotRunning, PodFilesError, Refused, StaticRefusal, StepFailed
 from .guestevents import oom_bucket, watch_oom
-from .hostns import refuse_host_namespaces
+from .hostns import refuse_host_namespaces, refuse_host_propagation
+from .podfiles import with_mounts
 from .request import PodRequest
-from .resize import PodResize
+from .resize import Resizer
 from .sysctls import check_pod_sysctls
+from .vmslot import VMSlot
 
 if TYPE_CHECKING:
-    from ..cpus.allocator import Allocator
-    from ..vm.agent import Agent
+    from ..host.mounts import Mount
+    from ..vm.stdio import Stdio
 
 log = logging.getLogger("podvm.pod")
 
@@ -56,7 +60,7 @@ class PodListener(Protocol):
         """The VM was stopped on purpose; what ran in it has ended."""
 
 
-class Pod(PodContainers, PodResize):
+class Pod:
     def __init__(self, request: PodRequest, cfg: config.Config, planner: PodPlanner) -> None:
         """Use Pod.create: it checks the request and plans first."""
         self.namespace = request.namespace
@@ -65,14 +69,13 @@ class Pod(PodContainers, PodResize):
         self.cgroups_path = request.cgroups_path
         self.pod_name = (request.pod_name, request.pod_namespace)
         self.config = cfg
-        self.planner = planner
         self.created_plan = planned(planner.plan)
         """The plan the inputs gave before anything booted (refused here if it cannot)."""
-        self.machine: Machine | None = None
-        self.gone: HypervisorError | None = None
-        """How the VM ended, when it died under the pod."""
-        self.placed: set[str] = set()
-        """Containers in the guest whose cpuset follows the vCPUs' pinning."""
+        self.vm = VMSlot()
+        """The Machine while the VM runs, where the parts below find it."""
+        self.containers = Containers(self.id, self.vm, cfg)
+        self.resizer = Resizer(self.id, cfg, planner, self.vm, self.containers)
+        """The planner, the CPUs held and every change of the plan."""
         self.files: Mapping[str, str] = {}
         """Files every container gets at a path its spec does not mount ({path in the
         container: file on the host}): a Sandbox-API pod's /etc/hosts and the like."""
@@ -80,8 +83,6 @@ class Pod(PodContainers, PodResize):
         """A Sandbox-API pod's hostname, for the guest process that holds its namespaces."""
         self.sysctls = dict(request.sysctls)
         self._listeners: list[PodListener] = []
-        self._allocator: Allocator | None = None
-        self._applying = asyncio.Lock()
         self._death: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -114,15 +115,17 @@ class Pod(PodContainers, PodResize):
 
     @property
     def booted(self) -> bool:
-        return self.machine is not None
+        return self.vm.machine is not None
 
     @property
     def plan(self) -> SandboxPlan:
-        return self.machine.plan if self.machine is not None else self.created_plan
+        machine = self.vm.machine
+        return machine.plan if machine is not None else self.created_plan
 
     @property
     def pid(self) -> int:
-        return self.machine.pid if self.machine is not None else 0
+        machine = self.vm.machine
+        return machine.pid if machine is not None else 0
 
     # --- life -------------------------------------------------------------------------
 
@@ -141,11 +144,12 @@ class Pod(PodContainers, PodResize):
                 await worker.close()
 
     async def _boot(self, worker: remote.Worker | None) -> None:
-        allocator = self._reserve_cpus()
+        planner = self.resizer.planner
+        self.resizer.reserve_cpus()
         try:
-            self.planner.boot = planned(self.planner.plan)
+            planner.boot = planned(planner.plan)
             try:
-                machine = Machine(self.namespace, self.id, self.config, self.planner.boot,
+                machine = Machine(self.namespace, self.id, self.config, planner.boot,
                                   self.cgroups_path, self.netns, self.pod_name)
             except cgroups.CgroupError as exc:
                 raise StepFailed(f"cgroup of sandbox {self.id}", exc) from None
@@ -157,23 +161,22 @@ class Pod(PodContainers, PodResize):
             except cgroups.CgroupError as exc:
                 raise StepFailed("sandbox cgroup", exc) from None
         except BaseException:
-            if allocator is not None:
-                allocator.release(self.id)
+            self.resizer.release_cpus()
             raise
         log.info("sandbox %s: VM ready in %.2fs", self.id, time.monotonic() - started)
-        self.machine, self._allocator = machine, allocator
+        self.vm.machine = machine
         self._spawn(self._watch_vm(machine))
         self._spawn(machine.time_agent())
         machine.make_template()
         self._spawn(self._watch_oom(machine))
-        if self.planner.shared_pool is not None:
-            self._spawn(self._watch_pool())
+        if planner.shared_pool is not None:
+            self._spawn(self.resizer.watch_pool())
 
     async def stop(self, grace: float = 0) -> None:
         """Stop the VM and remove everything of the pod on the host; a no-op when
         stopped. `grace`: seconds the containers get to die of SIGKILL first, so that
         their exits are reported by the guest rather than assumed."""
-        machine = self.machine
+        machine = self.vm.machine
         if machine is None:
             return
         if machine.ended():
@@ -181,34 +184,64 @@ class Pod(PodContainers, PodResize):
             # this stop, which containerd asks for once told the pod's processes ended:
             # say how, which the watcher would not, seeing the pod stopped.
             await self._died(machine)
-        elif grace > 0 and machine.agent is not None and self.placed:
-            await self._kill_all(machine.agent, grace)
-        self.machine = None
+        elif grace > 0 and machine.agent is not None and self.containers.placed:
+            await self.containers.kill_all(machine.agent, grace)
+        self.vm.machine = None
         log.info("sandbox %s: stopping the VM", self.id)
         await machine.shutdown()
-        if self._allocator is not None:
-            self._allocator.release(self.id)
+        self.resizer.release_cpus()
         for task in list(self._background):
             task.cancel()
-        self.placed.clear()  # what ran in the VM has ended
+        self.containers.placed.clear()  # what ran in the VM has ended
         for listener in self._listeners:
             listener.vm_stopped()
 
-    async def _kill_all(self, agent: Agent, grace: float) -> None:
-        containers = sorted(self.placed)  # it shrinks as their exits come in
-        for container_id in containers:
+    # --- containers ---------------------------------------------------------------------
+
+    async def add_container(self, container_id: str, bundle: str, spec: dict,
+                            rootfs: list[Mount], stdio: Stdio, *, owns_vm: bool,
+                            pod_holder: bool) -> None:
+        """Re-plan with the container's resources (the sandbox container's are the
+        pod's), share its files, create it in the guest. All or nothing. `owns_vm`: the
+        container whose Create booted the VM; `pod_holder`: the container holds the
+        pod's namespaces in the guest (a CRI sandbox container)."""
+        assert self.vm.machine is not None
+        refuse_host_propagation(container_id, spec)
+        if not owns_vm:
+            resources = from_linux_resources((spec.get("linux") or {}).get("resources") or {})
             try:
-                await agent.signal(container_id, "", signal.SIGKILL, True)
-            except TtrpcError as exc:
-                log.debug("sandbox %s: kill %s: %s", self.id, container_id, exc.message)
-        waits = [asyncio.ensure_future(agent.wait(c, "")) for c in containers]
-        _, pending = await asyncio.wait(waits, timeout=grace)
-        for wait in waits:
-            wait.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-        if pending:
-            log.warning("sandbox %s: %d container(s) still alive after %ss: stopping the VM "
-                        "under them", self.id, len(pending), grace)
+                await self.resizer.apply(container_id, resources)
+            except StaticRefusal:
+                await self.resizer.apply(container_id, None, quiet=True)  # none kept
+                raise
+        try:
+            guest = self.containers.guest_spec(
+                container_id, with_mounts(spec, self.files),
+                self.resizer.guest_cpus(container_id), pod_holder=pod_holder)
+        except (OSError, ValueError) as exc:
+            if not owns_vm:
+                await self.resizer.apply(container_id, None, quiet=True)
+            raise Refused(f"container {container_id}: {exc}") from None
+        try:
+            await self.containers.create(container_id, bundle, rootfs, guest, stdio,
+                                         owns_vm=owns_vm, pod_holder=pod_holder)
+        except BaseException:
+            await self._let_go(container_id, owns_vm)
+            raise
+
+    async def remove_container(self, container_id: str, owns_vm: bool) -> None:
+        """Remove it from the guest and the host; removing the container that booted the
+        VM stops the pod."""
+        await self.containers.remove(container_id)
+        await self._let_go(container_id, owns_vm)
+
+    async def _let_go(self, container_id: str, owns_vm: bool) -> None:
+        """A container gone, or not added after all: the pod stopped if it booted the
+        VM, else re-planned without it."""
+        if owns_vm:
+            await self.stop()
+        else:
+            await self.resizer.apply(container_id, None, quiet=True)
 
     # --- watching ---------------------------------------------------------------------
 
@@ -219,7 +252,7 @@ class Pod(PodContainers, PodResize):
 
     async def _watch_vm(self, machine: Machine) -> None:
         await machine.wait()
-        if self.machine is machine:  # else stopped on purpose
+        if self.vm.machine is machine:  # else stopped on purpose
             await self._died(machine)
 
     async def _died(self, machine: Machine) -> None:
@@ -231,12 +264,12 @@ class Pod(PodContainers, PodResize):
         await asyncio.shield(self._death)
 
     async def _tell_death(self, machine: Machine) -> None:
-        self.gone = await machine.exited(grace=5) or HypervisorError(
+        gone = self.vm.gone = await machine.exited(grace=5) or HypervisorError(
             "the guest agent's connection closed, QEMU still running")
-        log.error("sandbox %s: %s", self.id, self.gone)
-        self.placed.clear()  # what ran in the VM has ended
+        log.error("sandbox %s: %s", self.id, gone)
+        self.containers.placed.clear()  # what ran in the VM has ended
         for listener in self._listeners:
-            listener.vm_exited(self.gone)
+            listener.vm_exited(gone)
 
     async def _watch_oom(self, machine: Machine) -> None:
         """Paced by the pod's own bucket (shim/pod/guestevents.py)."""
@@ -246,7 +279,7 @@ class Pod(PodContainers, PodResize):
     def _tell_oom(self, container_id: str) -> None:
         for listener in self._listeners:
             listener.container_oom(container_id)
-        machine = self.machine
+        machine = self.vm.machine
         if machine is not None:  # counted for the node's metrics (podvm_node/collect.py)
             machine.record(guest_oom_kills=machine.state.guest_oom_kills + 1)
 
@@ -256,7 +289,7 @@ class Pod(PodContainers, PodResize):
         """The plan in force, and what QEMU and the guest say now (JSON values), for
         SandboxStatus(verbose)."""
         info = {"plan": json.dumps(asdict(self.plan))}
-        machine = self.machine
+        machine = self.vm.machine
         if machine is None:
             return info
         try:
@@ -280,7 +313,17 @@ class Pod(PodContainers, PodResize):
 
     def metrics(self):
         """The sandbox cgroup's metrics (an Any), for SandboxMetrics."""
-        if self.machine is None:
+        if self.vm.machine is None:
             raise NotRunning(f"sandbox {self.id} is not running")
-        return self.machine.metrics()
+        return self.vm.machine.metrics()
+
+    # --- the pod's own namespaces (Sandbox API) -------------------------------------------
+
+    async def hold_namespaces(self) -> int:
+        """A guest process holds the pod's namespaces, with its hostname and sysctls; its
+        pid in the guest."""
+        return await self.vm.agent().create_pod_namespaces(self.hostname, self.sysctls)
+
+    async def ping(self, timeout: float) -> None:
+        await self.vm.agent().ping(timeout=timeout)
 

@@ -2,7 +2,9 @@
 (shim/resources/planner.py), apply the step on the Machine (host cgroup limits, vCPUs and
 memory hot-plugged, vCPUs re-pinned), the guest's cpusets following, commit; or put back
 the plan in force. And the CPUs the pod reserves for itself (cpu_reservation =
-"exclusive"). Part of the Pod (shim/pod/pod.py)."""
+"exclusive"). The Pod (shim/pod/pod.py) holds one Resizer, and gives it the pod's VMSlot
+(shim/pod/vmslot.py) and its containers (shim/pod/containers.py), whose cpusets in the
+guest follow the vCPUs."""
 from __future__ import annotations
 
 import asyncio
@@ -26,22 +28,26 @@ from .errors import Refused, StaticRefusal, StepFailed
 if TYPE_CHECKING:
     from ..config import Config
     from ..vm.agent import Agent
-    from ..vm.machine import Machine
+    from .containers import Containers
+    from .vmslot import VMSlot
 
 log = logging.getLogger("podvm.pod")
 
 
-class PodResize:
-    """The Pod's plan and its changes (a part of Pod: its state is the Pod's)."""
+class Resizer:
+    """The pod's planner, the node's CPU allocator while the pod holds CPUs of it, and
+    the lock that makes the plan's changes one at a time."""
 
-    id: str
-    config: Config
-    planner: PodPlanner
-    machine: Machine | None
-    placed: set[str]
-    _applying: asyncio.Lock
-    _allocator: Allocator | None
-    # and _agent() (shim/pod/containers.py)
+    def __init__(self, pod_id: str, config: Config, planner: PodPlanner, vm: VMSlot,
+                 containers: Containers) -> None:
+        self.id = pod_id
+        self.planner = planner
+        self.allocator: Allocator | None = None
+        """The node's CPU allocator, while the pod holds CPUs of it (reserve_cpus)."""
+        self._config = config
+        self._vm = vm
+        self._containers = containers
+        self._applying = asyncio.Lock()
 
     async def apply(self, container_id: str | None, resources: ContainerResources | None,
                     quiet: bool = False, totals: ContainerResources | None = None) -> None:
@@ -51,7 +57,7 @@ class PodResize:
         All or nothing: on failure the plan in force stays. Growth a static-mode VM
         cannot take is the exception: what fits (limits, cpuset) is applied, then
         StaticRefusal is raised. `quiet`: failures are logged only (cleanup)."""
-        machine, planner = self.machine, self.planner
+        machine, planner = self._vm.machine, self.planner
         if machine is None:
             return
         async with self._applying:
@@ -115,7 +121,7 @@ class PodResize:
         except StaticRefusal as exc:
             refused = exc
         try:
-            await self._agent().update(container_id, json.dumps(guestspec.resources(
+            await self._vm.agent().update(container_id, json.dumps(guestspec.resources(
                 resources, self.guest_cpus(container_id))).encode())
         except BaseException:
             if refused is None:
@@ -142,7 +148,8 @@ class PodResize:
     def guest_cpus(self, container_id: str) -> list[int] | None:
         """The vCPUs a container's host cpuset maps to (pinned vCPUs), for its cpuset in
         the guest; None when it has no cpuset or nothing maps."""
-        if self.machine is None:
+        machine = self._vm.machine
+        if machine is None:
             return None
         cpuset = self.planner.containers.get(container_id, ContainerResources()).cpuset
         if not cpuset:
@@ -150,15 +157,16 @@ class PodResize:
 
         # Every vCPU when nothing maps (vCPUs floating): a cpuset set earlier in the guest
         # would otherwise stay, narrower than the container's CPUs now allow.
-        return guest_cpus_for_update(parse_cpu_list(cpuset), self.machine.vcpu_pins) or None
+        return guest_cpus_for_update(parse_cpu_list(cpuset), machine.vcpu_pins) or None
 
     async def _confine(self, skip: str | None) -> None:
         """After the vCPUs were re-pinned: every other container's cpuset in the guest
         follows."""
-        agent: Agent | None = self.machine.agent if self.machine is not None else None
+        machine = self._vm.machine
+        agent: Agent | None = machine.agent if machine is not None else None
         if agent is None:
             return
-        for cid in sorted(self.placed - {skip}):
+        for cid in sorted(self._containers.placed - {skip}):
             cpus = self.guest_cpus(cid)
             if cpus is None:
                 continue
@@ -170,28 +178,37 @@ class PodResize:
 
     # --- CPUs -----------------------------------------------------------------------------
 
-    def _reserve_cpus(self) -> Allocator | None:
+    def reserve_cpus(self) -> None:
         """cpu_reservation = "exclusive": the pod's own CPUs from the node-wide allocator
-        (an integral CPU request), or the shared pool. The allocator, or None.
-        AllocatorError (NoFreeCPUs, or state it cannot trust) as it is."""
-        if self.config.runtime.cpu_reservation != "exclusive":
-            return None
-        allocator = Allocator(reserved=self.config.runtime.reserved_cpus)
+        (an integral CPU request), or the shared pool; the allocator kept until
+        release_cpus(). AllocatorError (NoFreeCPUs, or state it cannot trust) as it is."""
+        if self._config.runtime.cpu_reservation != "exclusive":
+            return
+        allocator = Allocator(reserved=self._config.runtime.reserved_cpus)
         count = self.planner.exclusive_request()
         if not count:
             self.planner.shared_pool = allocator.shared_pool
-            return allocator
-        self.planner.exclusive = allocator.reserve(self.id, count)
-        log.info("sandbox %s: exclusive host CPUs %s", self.id, sorted(self.planner.exclusive))
-        return allocator
+        else:
+            self.planner.exclusive = allocator.reserve(self.id, count)
+            log.info("sandbox %s: exclusive host CPUs %s", self.id,
+                     sorted(self.planner.exclusive))
+        self.allocator = allocator
 
-    async def _watch_pool(self) -> None:
-        """A pod in the shared pool follows it as exclusive reservations come and go."""
-        assert self._allocator is not None
-        seen = self._allocator.version()
-        while self.machine is not None:
+    def release_cpus(self) -> None:
+        """The CPUs reserve_cpus() took, given back to the node."""
+        allocator, self.allocator = self.allocator, None
+        if allocator is not None:
+            allocator.release(self.id)
+
+    async def watch_pool(self) -> None:
+        """A pod in the shared pool follows it as exclusive reservations come and go,
+        while its VM runs."""
+        allocator = self.allocator
+        assert allocator is not None
+        seen = allocator.version()
+        while self._vm.machine is not None:
             await asyncio.sleep(1)
-            now = self._allocator.version()
+            now = allocator.version()
             if now != seen:
                 seen = now
                 await self.apply(None, None, quiet=True)

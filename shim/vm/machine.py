@@ -1,7 +1,9 @@
 """One pod's running VM and what the host holds for it: QEMU through the hypervisor
 interface (shim/vm/hypervisor.py), the guest agent, the sandbox cgroup, the shared
 directory with every container's rootfs and files, the taps. The Pod (shim/pod/pod.py)
-owns one Machine per boot and calls it; nothing else reaches into it.
+owns one Machine per boot and calls it; nothing else reaches into it. The Machine holds
+the plan in force and its steps in a VMResizer (shim/vm/resize.py) and its templates in a
+Restorer (shim/vm/restore.py), handing each the VM and agent it acts on.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -19,7 +21,7 @@ from ..host import mounts, paths
 from ..host.cgroup import HostCgroup, layout_for
 from ..host.cleanup import remove_tree
 from ..host.mounts import Mount
-from ..host.podstate import PodState, VMReport, state_path
+from ..host.podstate import PodState, state_path
 from ..host.processes import start_time
 from ..host.share import Share
 from ..network import remote
@@ -27,24 +29,23 @@ from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
 from . import guestspec, vmm, vmmlog, workdir
-from .resize import MachineResize
-from .restore import MachineRestore
 from . import template as templates
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, VMSpec
+from .resize import VMResizer
+from .restore import Restorer
 
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
 
-    from .stateload import MemoryCopy
-
     from ..network.portforward import PortForwarder
+    from ..resources import PlanDelta
 
 log = logging.getLogger("podvm.machine")
 T = TypeVar("T")
 
 
-class Machine(MachineResize, MachineRestore):
+class Machine:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "",
                  pod_name: tuple[str, str] = ("", "")) -> None:
@@ -56,7 +57,6 @@ class Machine(MachineResize, MachineRestore):
         self.id = sandbox_id
         self.netns = netns
         self.config = config
-        self.plan = plan
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
                                  shim_in_sandbox=config.runtime.sandbox_cgroup_only,
                                  overhead_cpus=config.runtime.overhead_cpus)
@@ -69,15 +69,22 @@ class Machine(MachineResize, MachineRestore):
         self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan,
                               pod_name=pod_name[0], pod_namespace=pod_name[1])
         """What is persisted in sandbox.json, replaced (and saved) by record()."""
+        self.resizer = VMResizer(sandbox_id, plan, self.cgroup,
+                                 config.runtime.enable_vcpus_pinning, self.record)
+        self.restorer = Restorer(sandbox_id, self.cgroup,
+                                 config.runtime.static_sandbox_resource_mgmt, self.record)
         self._watch: asyncio.Task | None = None
         self._port_forwarder: "PortForwarder | None" = None
-        self._untemplated: VMSpec | None = None
-        """The shape of a VM that booted for want of a template (make_template)."""
-        self._template_maker: asyncio.Task | None = None
-        self._ahead: tuple[str, MemoryCopy] | None = None
-        """The template's key and its memory's copy, started before the VM (copy_ahead)."""
-        self.vcpu_pins: list[frozenset[int]] = []
+
+    @property
+    def plan(self) -> SandboxPlan:
+        """The plan in force."""
+        return self.resizer.plan
+
+    @property
+    def vcpu_pins(self) -> list[frozenset[int]]:
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
+        return self.resizer.vcpu_pins
 
     @property
     def pid(self) -> int:
@@ -113,6 +120,15 @@ class Machine(MachineResize, MachineRestore):
         """The sandbox cgroup's metrics (an Any)."""
         return self.cgroup.metrics()
 
+    async def resize(self, delta: PlanDelta) -> None:
+        """Carry out one step of the plan (shim/vm/resize.py, VMResizer.resize)."""
+        assert self.vm is not None and self.agent is not None
+        await self.resizer.resize(self.vm, self.agent, delta)
+
+    def make_template(self) -> None:
+        """The template of a shape that had none, made for the next pod (Restorer)."""
+        self.restorer.make_template()
+
     def record(self, **changes) -> None:
         """The state with `changes`, saved before the caller acts on it."""
         self.state = dataclasses.replace(self.state, **changes)
@@ -132,20 +148,21 @@ class Machine(MachineResize, MachineRestore):
             if self.netns:
                 assert network_worker is not None
                 nics = await self._attach_network(
-                    network_worker, lambda network: self.copy_ahead(spec, network))
+                    network_worker, lambda network: self.restorer.copy_ahead(spec, network))
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
             started = time.monotonic()
             try:
-                template = await self._launch(vm)
+                template = await self.restorer.launch(vm, self._launching)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
                     nic.close()
             info = await self._connect(template, vm)
             self.record(restored_from=template.key if template is not None else "",
                         boot_seconds=time.monotonic() - started)
-            self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+            self.resizer.record_vm(info.online_cpus, info.memory_total_bytes,
+                                   await self.vm.size())
             if template is not None:
-                await self.grow_restored()
+                await self.resizer.grow_restored(self.vm, self.agent)
         except BaseException as exc:
             await self._boot_failed(vm, exc)
             raise
@@ -192,7 +209,8 @@ class Machine(MachineResize, MachineRestore):
         placing = asyncio.ensure_future(self._place_threads())
         try:
             if template is not None:  # before anything else is asked of the guest
-                await self._resume(template, vm, timeout)
+                await self.restorer.resume(template, self.agent, self.vm, vm.spec.nics,
+                                           timeout)
         except BaseException:
             placing.cancel()
             await asyncio.gather(placing, return_exceptions=True)
@@ -230,7 +248,7 @@ class Machine(MachineResize, MachineRestore):
         """QEMU's threads into their cgroups by role, the vCPUs pinned, and watched."""
         assert self.vm is not None
         await self.cgroup.place(self.vm)
-        await self.pin()
+        await self.resizer.pin(self.vm)
         self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
 
     async def _attach_network(self, worker: remote.Worker,
@@ -260,23 +278,9 @@ class Machine(MachineResize, MachineRestore):
             return
         self._port_forwarder = forwarder
 
-    def record_vm(self, online_cpus: int, memory_total_bytes: int,
-                  qemu_size: tuple[int, int] | None = None) -> None:
-        """What the guest reports it has and what QEMU says it gave (vCPUs present,
-        memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
-        shim holds its only connection)."""
-        before = self.state.vm
-        if qemu_size is None and before is not None:  # QEMU's last word still holds
-            qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
-        else:
-            qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
-        self.record(vm=VMReport(online_cpus=online_cpus,
-                                 memory_total_mib=memory_total_bytes >> 20, at=time.time(),
-                                 qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib))
-
-    def record_plan(self, plan: SandboxPlan) -> None:
-        self.plan = plan
-        self.record(plan=plan)
+    def _launching(self, vm: VM) -> None:
+        """The VM being started: the one shutdown() stops (Restorer.launch tells it)."""
+        self.vm = vm
 
     def console_tail(self) -> str:
         return self.vm.console_tail() if self.vm else "(no VM)"
@@ -329,12 +333,10 @@ class Machine(MachineResize, MachineRestore):
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        if self._template_maker is not None:  # its VM stopped, its files gone
-            self._template_maker.cancel()
-            await asyncio.gather(self._template_maker, return_exceptions=True)
+        await self.restorer.cancel_template()  # its VM stopped, its files gone
         if self.vm is not None:
             await self.vm.stop(timeout=5)
-        await self.drop_ahead()  # its copier is in the sandbox cgroup
+        await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
         if self.state.netns:
             try:
                 await remote.detach(self.state.netns, self.state.taps)

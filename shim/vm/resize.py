@@ -1,23 +1,23 @@
-"""One step of a pod's plan carried out on its Machine (shim/vm/machine.py, which this
-is a part of): the sandbox cgroup's limits, vCPUs and memory hot-plugged, the guest
-bringing them online, the vCPUs re-pinned; or put back as they were when a step fails."""
+"""The plan in force on one pod's VM, and each step of it carried out: the sandbox
+cgroup's limits, vCPUs and memory hot-plugged, the guest bringing them online, the vCPUs
+re-pinned; or put back as they were when a step fails. The Machine (shim/vm/machine.py)
+holds one VMResizer and hands it the VM and the agent it acts on."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 from ..cpus import pinning
+from ..host.podstate import VMReport
 from .hypervisor import HypervisorError, ThreadRole
 from ..resources import PlanDelta
 
 if TYPE_CHECKING:
-    from ..config import Config
     from ..host.cgroup import HostCgroup
-    from ..host.podstate import PodState
     from ..resources import SandboxPlan
     from .agent import Agent
     from .hypervisor import VM
@@ -25,20 +25,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("podvm.machine")
 
 
-class MachineResize:
-    """The Machine's plan carried out (a part of Machine: its state is the Machine's)."""
+class VMResizer:
+    """The plan in force, where the vCPUs run and what the guest last reported; each
+    change recorded with `record` (the Machine's: sandbox.json) before anything acts on
+    it."""
 
-    id: str
-    config: Config
-    plan: SandboxPlan
-    cgroup: HostCgroup
-    vm: VM | None
-    agent: Agent | None
-    state: PodState
-    vcpu_pins: list[frozenset[int]]
-    # and record(), record_plan(), record_vm() (shim/vm/machine.py)
+    def __init__(self, sandbox_id: str, plan: SandboxPlan, cgroup: HostCgroup,
+                 pin_vcpus: bool, record: Callable[..., None]) -> None:
+        """`pin_vcpus`: enable_vcpus_pinning."""
+        self.id = sandbox_id
+        self.plan = plan
+        """The plan in force."""
+        self.vcpu_pins: list[frozenset[int]] = []
+        """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
+        self.report: VMReport | None = None
+        """What the guest and QEMU said last (record_vm)."""
+        self._cgroup = cgroup
+        self._pin_vcpus = pin_vcpus
+        self._record = record
 
-    async def resize(self, delta: PlanDelta) -> None:
+    async def resize(self, vm: VM, agent: Agent, delta: PlanDelta) -> None:
         """Carry out one step of the plan. A grow raises the cgroup limits first (new
         vCPUs have room to run), hot-plugs the vCPUs not already present and the memory,
         places the new threads and has the guest bring exactly the plan's vCPUs online;
@@ -46,25 +52,24 @@ class MachineResize:
         asleep: see add_vcpus in shim/vm/qemu_hotplug.py), then lowers the limits. A
         failure puts back the limits and online vCPUs in force before; hot-plugged memory
         cannot be taken back and is recorded as the VM's."""
-        assert self.vm is not None and self.agent is not None
         old = self.plan
         for note in delta.notes:
             log.info("sandbox %s: %s", self.id, note)
         added_mib = 0
         try:
             if delta.grows:
-                self.cgroup.apply(delta.plan)
-            present, _ = await self.vm.size()
+                self._cgroup.apply(delta.plan)
+            present, _ = await vm.size()
             if delta.plan.vcpus > present:
-                await self.vm.add_vcpus(delta.plan.vcpus - present)
-                await self.cgroup.place_new(self.vm)
+                await vm.add_vcpus(delta.plan.vcpus - present)
+                await self._cgroup.place_new(vm)
             if delta.add_memory_mib:
-                await self.vm.add_memory(delta.add_memory_mib)
+                await vm.add_memory(delta.add_memory_mib)
                 added_mib = delta.add_memory_mib
             if delta.add_vcpus or delta.remove_vcpus or added_mib:
-                await self._online(delta.plan.vcpus, added_mib)
+                await self._online(vm, agent, delta.plan.vcpus, added_mib)
             if not delta.grows:
-                self.cgroup.apply(delta.plan)
+                self._cgroup.apply(delta.plan)
         except BaseException as exc:
             log.error("sandbox %s: resize failed (%s); back to the plan in force", self.id, exc)
             kept = dataclasses.replace(
@@ -72,60 +77,73 @@ class MachineResize:
                 cgroup_memory_limit=old.cgroup_memory_limit + (added_mib << 20)
                 if old.cgroup_memory_limit > 0 else old.cgroup_memory_limit)
             try:
-                self.cgroup.apply(kept)
-                await self._online(kept.vcpus, 0)
+                self._cgroup.apply(kept)
+                await self._online(vm, agent, kept.vcpus, 0)
             except Exception as undo:
                 log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
-            self.record_plan(kept)
-            await self.pin()
+            self._record_plan(kept)
+            await self.pin(vm)
             raise
-        self.record_plan(delta.plan)
-        await self.pin()
+        self._record_plan(delta.plan)
+        await self.pin(vm)
 
-
-    async def grow_restored(self) -> None:
+    async def grow_restored(self, vm: VM, agent: Agent) -> None:
         """A VM restored from its class's template (shim/vm/template.py, base_of) grown
         to the plan's vCPUs and memory by the hot-plug of resize(), before any container
         runs; one already the plan's size is left as it is."""
-        assert self.vm is not None
-        vcpus, memory = self.vm.spec.vcpus, self.vm.spec.memory_mib
+        vcpus, memory = vm.spec.vcpus, vm.spec.memory_mib
         if (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
             return
         started = time.monotonic()
-        await self.resize(PlanDelta(plan=self.plan, add_vcpus=self.plan.vcpus - vcpus,
-                                    add_memory_mib=self.plan.memory_mib - memory))
+        await self.resize(vm, agent, PlanDelta(plan=self.plan,
+                                               add_vcpus=self.plan.vcpus - vcpus,
+                                               add_memory_mib=self.plan.memory_mib - memory))
         log.info("sandbox %s: restored at %d vCPUs and %d MiB, grown to %d and %d MiB in "
                  "%.2fs", self.id, vcpus, memory, self.plan.vcpus, self.plan.memory_mib,
                  time.monotonic() - started)
 
-    async def pin(self) -> None:
+    async def pin(self, vm: VM) -> None:
         """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1
         when enable_vcpus_pinning and the online vCPUs and the CPUs are as many, else
         floating over the set. Done after every change: an affinity set here outlives
         a later, wider cpuset (Linux keeps the user's mask), so it is always rewritten."""
-        assert self.vm is not None
         cpuset = parse_cpu_list(self.plan.cpuset) if self.plan.cpuset else \
-            self.cgroup.vcpu_cpus()
-        vcpus = (await self.vm.threads()).get(ThreadRole.VCPU, [])
-        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset,
-                               self.config.runtime.enable_vcpus_pinning)
-        pinning.apply(pins, owner=self.vm.pid)
+            self._cgroup.vcpu_cpus()
+        vcpus = (await vm.threads()).get(ThreadRole.VCPU, [])
+        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset, self._pin_vcpus)
+        pinning.apply(pins, owner=vm.pid)
         self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
-        self.record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
+        self._record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
         if pins:
             log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
                      ", ".join(f"{i}->{format_cpu_list(p)}"
                                for i, p in enumerate(self.vcpu_pins)))
 
+    def record_vm(self, online_cpus: int, memory_total_bytes: int,
+                  qemu_size: tuple[int, int] | None = None) -> None:
+        """What the guest reports it has and what QEMU says it gave (vCPUs present,
+        memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
+        shim holds its only connection)."""
+        before = self.report
+        if qemu_size is None and before is not None:  # QEMU's last word still holds
+            qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
+        else:
+            qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
+        self.report = VMReport(online_cpus=online_cpus,
+                               memory_total_mib=memory_total_bytes >> 20, at=time.time(),
+                               qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib)
+        self._record(vm=self.report)
 
-    async def _online(self, vcpus: int, added_mib: int) -> None:
+    def _record_plan(self, plan: SandboxPlan) -> None:
+        self.plan = plan
+        self._record(plan=plan)
+
+    async def _online(self, vm: VM, agent: Agent, vcpus: int, added_mib: int) -> None:
         """Exactly `vcpus` online in the guest, and `added_mib` more memory."""
-        assert self.agent is not None
-        before = (self.state.vm.memory_total_mib if self.state.vm else 0) << 20
-        info = await self.agent.online(
+        before = (self.report.memory_total_mib if self.report else 0) << 20
+        info = await agent.online(
             cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
-        assert self.vm is not None
-        self.record_vm(info.online_cpus, info.memory_total_bytes, await self.vm.size())
+        self.record_vm(info.online_cpus, info.memory_total_bytes, await vm.size())
         if info.online_cpus != vcpus:
             raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
                                   f"{vcpus}")

@@ -1,15 +1,16 @@
-"""How a pod's VM starts from its shape's template (a part of Machine, shim/vm/machine.py):
-the template found, its memory's copy started as soon as the pod's interfaces are known
-(the copy is a restore's longest step: it runs while the taps are made and QEMU starts),
-the VM restored and made the pod's by the agent's Resume; a VM that found no template
-boots, and its shape's template is made in the background for the next pod."""
+"""How a pod's VM starts from its shape's template: the template found, its memory's copy
+started as soon as the pod's interfaces are known (the copy is a restore's longest step:
+it runs while the taps are made and QEMU starts), the VM restored and made the pod's by
+the agent's Resume; a VM that found no template boots, and its shape's template is made
+in the background for the next pod. The Machine (shim/vm/machine.py) holds one Restorer
+and hands it the VMs it launches."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..network.model import PlaceholderNic, PodNetwork
 from . import template as templates, templatemaker, vmm
@@ -17,31 +18,37 @@ from .hypervisor import RestoreFailed, VMSpec, template_mac
 from .stateload import MemoryCopy
 
 if TYPE_CHECKING:
-    from ..config import Config
     from ..host.cgroup import HostCgroup
+    from ..network.model import TapNic
     from .agent import Agent
     from .hypervisor import VM
 
 log = logging.getLogger("podvm.machine")
 
 
-class MachineRestore:
-    """The Machine's templates (a part of Machine: its state is the Machine's)."""
+class Restorer:
+    """One pod's templates: the copy of one's memory started ahead, the restore, and the
+    template made for a shape that had none, its cgroup recorded with `record` (the
+    Machine's: sandbox.json)."""
 
-    id: str
-    config: Config
-    cgroup: HostCgroup
-    vm: VM | None
-    agent: Agent | None
-    _untemplated: VMSpec | None
-    _template_maker: asyncio.Task | None
-    _ahead: tuple[str, MemoryCopy] | None
-    # and record() (shim/vm/machine.py)
+    def __init__(self, sandbox_id: str, cgroup: HostCgroup, static: bool,
+                 record: Callable[..., None]) -> None:
+        """`cgroup`: the sandbox cgroup, where QEMU and the copy run. `static`:
+        static_sandbox_resource_mgmt, the confidential VM, which restores no template."""
+        self.id = sandbox_id
+        self._cgroup = cgroup
+        self._static = static
+        self._record = record
+        self._untemplated: VMSpec | None = None
+        """The shape of a VM that booted for want of a template (make_template)."""
+        self._template_maker: asyncio.Task | None = None
+        self._ahead: tuple[str, MemoryCopy] | None = None
+        """The template's key and its memory's copy, started before the VM (copy_ahead)."""
 
     def _shape(self, spec: VMSpec) -> VMSpec | None:
         """The shape whose template `spec` would restore; None: it restores none."""
         # A static VM is the confidential one: it shares no memory with other pods.
-        if self.config.runtime.static_sandbox_resource_mgmt:
+        if self._static:
             return None
         return templatemaker.class_of(spec)
 
@@ -58,7 +65,7 @@ class MachineRestore:
         try:
             if template.exists():
                 self._ahead = template.key, MemoryCopy(
-                    template.saved(), shape.memory_mib << 20, self.cgroup.preexec())
+                    template.saved(), shape.memory_mib << 20, self._cgroup.preexec())
                 log.info("sandbox %s: template %s's memory copied ahead, as the network "
                          "is attached", self.id, template.key)
         except (OSError, RestoreFailed) as exc:
@@ -79,18 +86,19 @@ class MachineRestore:
         """A copy started ahead that no VM took, stopped. Idempotent."""
         await self._take_ahead("")
 
-    async def _launch(self, vm: VM) -> templates.Template | None:
+    async def launch(self, vm: VM, launching: Callable[[VM], None]) -> templates.Template | None:
         """Start `vm`: restored from its shape's template when there is one, else booted
         at once (its shape's template is then made in the background: make_template);
-        the template restored, None when booted. self.vm is the VM started (or being
-        started)."""
-        preexec = self.cgroup.preexec()
+        the template restored, None when booted. `launching`: told of each VM before it
+        starts, the one to stop if the boot fails."""
+        preexec = self._cgroup.preexec()
         shape = self._shape(vm.spec)
         if shape is not None:
             template = templates.of(shape)
             memory = await self._take_ahead(template.key)
             if template.exists():
-                self.vm = restored = vmm.create(dataclasses.replace(shape, template=True))
+                restored = vmm.create(dataclasses.replace(shape, template=True))
+                launching(restored)
                 try:
                     await restored.launch(
                         preexec=preexec, memory=memory,
@@ -107,28 +115,34 @@ class MachineRestore:
             elif memory is not None:  # the template was removed meanwhile
                 await memory.close()
             self._untemplated = shape
-        self.vm = vm
+        launching(vm)
         await vm.launch(preexec=preexec)
         return None
 
     def make_template(self) -> None:
         """After a boot that found no template of its shape: that template made in the
         background (in its own cgroup, shim/vm/templatemaker.py), for the next pod;
-        cancelled by shutdown() if the pod goes first."""
+        cancelled by cancel_template() if the pod goes first."""
         if self._untemplated is not None and self._template_maker is None:
             self._template_maker = asyncio.create_task(templatemaker.make_in_background(
-                self._untemplated, self.id, lambda cg: self.record(template_cgroup=cg)))
+                self._untemplated, self.id, lambda cg: self._record(template_cgroup=cg)))
 
-    async def _resume(self, template: templates.Template, vm: VM, timeout: float) -> None:
-        """The restored guest made this pod's (its agent's Resume); the template discarded
-        when its guest cannot be."""
-        assert self.agent is not None and self.vm is not None
+    async def cancel_template(self) -> None:
+        """The template being made in the background stopped (the pod goes first)."""
+        if self._template_maker is not None:
+            self._template_maker.cancel()
+            await asyncio.gather(self._template_maker, return_exceptions=True)
+
+    async def resume(self, template: templates.Template, agent: Agent, restored: VM,
+                     nics: tuple[TapNic | PlaceholderNic, ...], timeout: float) -> None:
+        """The guest `restored` from `template` made this pod's, with `nics` (its agent's
+        Resume); the template discarded when its guest cannot be."""
         started = time.monotonic()
         try:
-            await self.agent.resume_restored(
-                {template_mac(n.index): n.mac for n in vm.spec.nics}, timeout=timeout)
+            await agent.resume_restored(
+                {template_mac(n.index): n.mac for n in nics}, timeout=timeout)
         except Exception as exc:
-            if not self.vm.dead():  # a QEMU killed meanwhile says nothing of it
+            if not restored.dead():  # a QEMU killed meanwhile says nothing of it
                 template.discard(f"the guest restored from it did not resume: {exc}")
             raise
         log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)

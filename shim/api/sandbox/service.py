@@ -223,10 +223,10 @@ class SandboxService:
         annotations.update(req.annotations)
         overhead_bytes = self._overhead_bytes if overhead is None else overhead
         memory_mib = None
-        if pod.planner.pod_cgroup_memory_mib or wanted.memory_limit:
+        if pod.resizer.planner.pod_cgroup_memory_mib or wanted.memory_limit:
             # kubelet resizes the pod cgroup with the pod: its limits plus the overhead
             memory_mib = pod_cgroup_memory_mib(wanted.memory_limit, overhead_bytes)
-        await pod.update_totals(wanted, annotations, memory_mib)
+        await pod.resizer.update_totals(wanted, annotations, memory_mib)
         self._overhead_bytes = overhead_bytes
         log.info("sandbox %s: updated to %s", self.id, wanted)
         return api.UpdateSandboxResponse()
@@ -239,7 +239,7 @@ class SandboxService:
             if not req.annotations:
                 raise TtrpcError(Code.INVALID_ARGUMENT, f"update of sandbox {self.id}: "
                                                         f"neither resources nor annotations")
-            return pod.planner.sandbox, None, {}
+            return pod.resizer.planner.sandbox, None, {}
         if url.endswith(POD_SANDBOX_CONFIG):
             pod_config = _pod_config(req.resources)
             return pod_resources(pod_config), \

@@ -57,7 +57,7 @@ class Process(Lifecycle):
         if self.io is None:
             return  # never started: the guest never had it
         try:
-            await pod().forget_exec(self.container_id, self.exec_id)
+            await pod().containers.forget_exec(self.container_id, self.exec_id)
         except (TtrpcError, PodError) as exc:
             answer = to_ttrpc(exc)
             if answer.code != Code.NOT_FOUND:

@@ -8,8 +8,9 @@ pod (a guest could otherwise publish TaskOOM for any container id on the node's 
 bus); the others are dropped, with a rate-limited warning. An exit's time is the guest's
 only when it is a plausible one.
 
-Reporting goes one way: the reporter waits for exits through the Pod (Pod.wait, which
-also tells the Pod that a container's init ended) and never calls back into it."""
+Reporting goes one way: the reporter waits for exits through the Pod's containers
+(Containers.wait in shim/pod/containers.py, which also drops a container whose init ended
+from their table) and never calls back into it."""
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +70,7 @@ class Reporter:
         """Wait for the guest process to exit, let its output drain, report the exit
         (and the OOM kill that came with it first)."""
         try:
-            result = await pod().wait(proc.container_id, proc.exec_id)
+            result = await pod().containers.wait(proc.container_id, proc.exec_id)
             status, at_ns = result.exit_status, _plausible(result.exited_at)
         except (TtrpcError, PodError) as exc:
             log.warning("%s: lost track of the process: %s", proc.name, exc)

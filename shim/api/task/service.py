@@ -104,8 +104,8 @@ class TaskService:
             pod_holder=(spec.get("annotations") or {}).get(CONTAINER_TYPE) == "sandbox")
         init = Process(req.id, pid=pod.pid, stdin=req.stdin, stdout=req.stdout,
                        stderr=req.stderr, terminal=req.terminal)
-        init.io = pod.process_io(req.id, "", req.stdin, req.stdout, req.stderr,
-                                 req.terminal)
+        init.io = pod.containers.process_io(req.id, "", req.stdin, req.stdout, req.stderr,
+                                            req.terminal)
         init.io.start()
         self.containers[req.id] = Container(req.id, req.bundle, init)
         self.report.publish("/tasks/create", events.TaskCreate(
@@ -152,12 +152,12 @@ class TaskService:
         async with proc.acting("start"):
             pod = self._pod()
             if req.exec_id:
-                proc.io = await pod.exec_process(req.id, req.exec_id, proc.process_json,
-                                                 proc.stdin, proc.stdout, proc.stderr,
-                                                 proc.terminal)
+                proc.io = await pod.containers.exec_process(
+                    req.id, req.exec_id, proc.process_json, proc.stdin, proc.stdout,
+                    proc.stderr, proc.terminal)
                 proc.io.start()
             else:
-                await pod.start_container(req.id)
+                await pod.containers.start(req.id)
         self.report.watch(proc, self._pod)
         if req.exec_id:
             self.report.publish("/tasks/exec-started", events.TaskExecStarted(
@@ -190,7 +190,7 @@ class TaskService:
         async with proc.acting("delete"):
             if proc.state is CREATED and not req.exec_id:  # runc's init waits in the guest
                 with contextlib.suppress(TtrpcError, PodError):
-                    await self._pod().signal(req.id, "", 9, True)
+                    await self._pod().containers.signal(req.id, "", 9, True)
                 proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
         await proc.stop_io()
         if req.exec_id:
@@ -241,7 +241,8 @@ class TaskService:
         async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
             leftovers = proc.state is STOPPED
             try:
-                await self._pod().signal(req.id, req.exec_id, req.signal, req.all)
+                await self._pod().containers.signal(req.id, req.exec_id, req.signal,
+                                                    req.all)
             except (TtrpcError, PodError) as exc:
                 if not leftovers:
                     raise
@@ -272,7 +273,8 @@ class TaskService:
 
     async def ResizePty(self, req: api.ResizePtyRequest, ctx: Context) -> Empty:
         self._process(req.id, req.exec_id).check("resize")
-        await self._pod().resize_pty(req.id, req.exec_id, req.width, req.height)
+        await self._pod().containers.resize_pty(req.id, req.exec_id, req.width,
+                                                req.height)
         return Empty()
 
     async def CloseIO(self, req: api.CloseIORequest, ctx: Context) -> Empty:
@@ -285,30 +287,30 @@ class TaskService:
     async def Pause(self, req: api.PauseRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
         async with proc.acting("pause"):
-            await self._pod().pause_container(req.id)
+            await self._pod().containers.pause(req.id)
         self.report.publish("/tasks/paused", events.TaskPaused(container_id=req.id))
         return Empty()
 
     async def Resume(self, req: api.ResumeRequest, ctx: Context) -> Empty:
         proc = self._process(req.id)
         async with proc.acting("resume"):
-            await self._pod().resume_container(req.id)
+            await self._pod().containers.resume(req.id)
         self.report.publish("/tasks/resumed", events.TaskResumed(container_id=req.id))
         return Empty()
 
     async def Pids(self, req: api.PidsRequest, ctx: Context) -> api.PidsResponse:
         self._container(req.id)
-        processes = await self._pod().pids(req.id)
+        processes = await self._pod().containers.pids(req.id)
         return api.PidsResponse(processes=[ProcessInfo(pid=p.pid) for p in processes])
 
     async def Stats(self, req: api.StatsRequest, ctx: Context) -> api.StatsResponse:
         """The guest's Metrics, checked by the agent's client (shim/vm/agent.py)."""
         self._container(req.id)
-        return api.StatsResponse(stats=await self._pod().stats(req.id))
+        return api.StatsResponse(stats=await self._pod().containers.stats(req.id))
 
     async def Update(self, req: api.UpdateTaskRequest, ctx: Context) -> Empty:
         self._process(req.id).check("update")
-        await self._pod().update_container(req.id, req.resources.value)
+        await self._pod().resizer.update_container(req.id, req.resources.value)
         return Empty()
 
     async def Checkpoint(self, req: api.CheckpointTaskRequest, ctx: Context) -> Empty:

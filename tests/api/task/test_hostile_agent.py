@@ -103,8 +103,8 @@ class Published(list):
 def task_service(agent: Agent, *container_ids: str) -> tuple[TaskService, Published]:
     published = Published()
     svc = TaskService("test", publisher=published, shutdown=lambda: None)  # type: ignore[arg-type]
-    svc.slot.pod = SimpleNamespace(  # type: ignore[assignment]
-        pids=agent.pids, stats=agent.stats, wait=agent.wait)
+    svc.slot.pod = SimpleNamespace(containers=SimpleNamespace(  # type: ignore[assignment]
+        pids=agent.pids, stats=agent.stats, wait=agent.wait))
     for cid in container_ids:
         svc.containers[cid] = Container(cid, f"/b/{cid}", Process(cid, pid=10, state=RUNNING))
     return svc, published
@@ -251,9 +251,9 @@ async def test_an_exit_for_a_container_not_of_this_pod_is_never_published(guest)
     agent = await guest.connect()
     svc, published = task_service(agent, "c1")
     stranger = Process("another-pod-container", pid=10, state=RUNNING)
-    svc.report.watch(stranger, lambda: agent)
+    svc.report.watch(stranger, svc._pod)
     own = svc.containers["c1"].init
-    svc.report.watch(own, lambda: agent)
+    svc.report.watch(own, svc._pod)
     await asyncio.wait_for(own.wait(), 5)
     await asyncio.wait_for(stranger.wait(), 5)
     assert [(t, e.container_id) for t, e in published] == [("/tasks/oom", "c1"),
@@ -267,7 +267,7 @@ async def test_an_exit_time_no_real_exit_could_have_is_replaced_by_now(guest) ->
     guest.handlers["WaitProcess"] = always(answer)
     agent = await guest.connect()
     svc, published = task_service(agent, "c1")
-    svc.report.watch(svc.containers["c1"].init, lambda: agent)
+    svc.report.watch(svc.containers["c1"].init, svc._pod)
     await asyncio.wait_for(svc.containers["c1"].init.wait(), 5)
     (_, exit_event), = published
     assert abs(exit_event.exited_at.ToNanoseconds() - time.time_ns()) < 10 * 10**9

@@ -4,6 +4,7 @@ The guest agent is a stand-in here; tests/e2e/test_pod_resources.py has the real
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,7 +38,7 @@ async def test_an_oom_kill_reported_with_the_exit_is_published_before_it(oom_kil
     reporter = Reporter(published,  # type: ignore[arg-type]
                         {"c1": Container("c1", "/b", proc)})
     agent = ExitingAgent(pb.WaitProcessResponse(exit_status=137, oom_killed=oom_killed))
-    reporter.watch(proc, lambda: agent)
+    reporter.watch(proc, lambda: SimpleNamespace(containers=agent))  # the pod's
     status, _ = await asyncio.wait_for(proc.wait(), 5)
     assert status == 137
     assert [topic for topic, _ in published] == topics

@@ -135,7 +135,8 @@ async def test_delete_of_a_started_exec_makes_the_guest_forget_it(service, answe
     answer other than NOT_FOUND (the guest forgot it already) is worth a warning."""
     svc, _ = service
     agent = GuestAgent(answer)
-    svc.slot.pod = SimpleNamespace(forget_exec=agent.remove_process)  # type: ignore[assignment]
+    svc.slot.pod = SimpleNamespace(  # type: ignore[assignment]
+        containers=SimpleNamespace(forget_exec=agent.remove_process))
     c = add(svc, "c1", RUNNING, e1=STOPPED, e2=STOPPED)
     io = c.execs["e1"].io = CopiedIO()
     c.execs["e1"].exit_status = 3
