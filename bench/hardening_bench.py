@@ -7,7 +7,7 @@ other round) so that drift on a shared machine hits all alike; medians and min-m
 
 Each configuration is a podvm configuration file rewritten before its pod's runp (a
 pod's shim reads it at its Create). "+ X" rows: the default line with the other three
-weakening parameters of FAST_PARAMS (shim/vm/qemu.py) added back through
+weakening parameters of FAST_PARAMS (shim/vm/qemu/driver.py) added back through
 kernel_params. With templates every configuration's template is made by a warm-up pod
 first (a different kernel line is a different template), not counted.
 
@@ -42,7 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
 from shim.config import HypervisorConfig  # noqa: E402
-from shim.vm.qemu_command import FAST_PARAMS  # noqa: E402
+from shim.vm.qemu.command import FAST_PARAMS  # noqa: E402
 import tests.e2e.containerd as harness  # noqa: E402
 from tests.e2e.containerd import Containerd  # noqa: E402
 from tests.e2e.cri import Crictl, write_config  # noqa: E402

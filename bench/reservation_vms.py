@@ -60,7 +60,7 @@ from shim import config  # noqa: E402
 from shim.config import MEASURED_OVERHEAD_MIB  # noqa: E402
 from shim.cpus.allocator import Allocator, choose  # noqa: E402
 from shim.cpus.cpuset import format_cpu_list, online_cpus  # noqa: E402
-from shim.vm import templatemaker  # noqa: E402
+from shim.vm.template import maker as templatemaker  # noqa: E402
 from vm_workloads import (NEIGHBOUR, PodNetwork, cpu_bound, http_client,  # noqa: E402
                           parse_cpu_bound, parse_wake, sweep_networks, wake_up)
 
@@ -323,7 +323,7 @@ def loadavg() -> str:
 async def warm(run: shimpods.Run, args: argparse.Namespace, cpus: int) -> None:
     """Each shape's template made before any pod, as a node's installer does: no pod then
     boots for want of one, and no template is made in the background while the figures
-    are taken (shim/vm/templatemaker.py). The target has the pod network's NIC."""
+    are taken (shim/vm/template/maker.py). The target has the pod network's NIC."""
     target, neighbours = shapes(cpus, args.cpus, args.threads_per_cpu)
     for shape, nics in [(target, 1), *((n, 0) for n in neighbours)]:
         path = write_config(run.work / f"warm-{shape.name}.toml", args.guest_dir,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from shim.vm.agent import Agent  # noqa: E402
 from shim.vm.hypervisor import VMSpec  # noqa: E402
-from shim.vm.qemu import QemuVM  # noqa: E402
+from shim.vm.qemu.driver import QemuVM  # noqa: E402
 from tests.e2e.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
                                 workload_bundle)
 from tests.vmconfig import vm_config  # noqa: E402

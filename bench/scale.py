@@ -251,7 +251,7 @@ def pod_phases(log_lines: list[str], pod: PodRun) -> list[float]:
 
 def template_use(log: str, pods: list[PodRun]) -> tuple[int, list[str]]:
     """How many of the pods restored a template, and the templates made during the run
-    (shim/vm/template.py's lines)."""
+    (shim/vm/template/template.py's lines)."""
     restored = sum(1 for p in pods if p.pod_id and
                    f"sandbox {p.pod_id}: VM restored from template" in log)
     made = re.findall(r"template (\w+) made by sandbox \w+ in ([0-9.]+s)", log)

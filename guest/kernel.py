@@ -121,7 +121,7 @@ SIGNATURE_MAGIC = b"~Module signature appended~\n"
 def unsigned(module: bytes) -> bytes:
     """A module without its appended signature: the guest kernel cannot check it (the
     VM boots without loading the system's certificates: KERNEL_PARAMS in
-    shim/vm/qemu_command.py), and would hash the whole module at each load (under TCG)
+    shim/vm/qemu/command.py), and would hash the whole module at each load (under TCG)
     only to find no key."""
     if not module.endswith(SIGNATURE_MAGIC):
         return module

@@ -20,8 +20,8 @@ podvm's own packages with their pinned dependencies, and the Rust virtiofsd
 Each binary's interpreter is /opt/podvm/lib/ld.so and its RUNPATH leads to lib/ from
 $ORIGIN (podvm_node/elfpatch.py), so nothing is looked up in the host's /usr. QEMU finds
 its firmware beside itself (QEMU looks in ../share/qemu relative to its binary; the
-shim's -bios path and QEMU's jail follow the binary: shim/vm/qemu_command.py,
-shim/vm/jail.py). Built again only when its inputs change (inputs.sha256, as
+shim's -bios path and QEMU's jail follow the binary: shim/vm/qemu/command.py,
+shim/vm/qemu/jail.py). Built again only when its inputs change (inputs.sha256, as
 guest/build.py does), into a new directory renamed into place."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from shim import config
 from shim.cpus.allocator import DEFAULT_DIR as CPUS_DIR, Allocator, AllocatorError
 from shim.host import paths
 from shim.host.podstate import PodState
-from shim.vm import templatestore
+from shim.vm.template import store as templatestore
 
 from .collect import Reader, Sandbox, rooted
 

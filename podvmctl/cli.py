@@ -8,7 +8,7 @@ import json
 import sys
 
 from shim import __version__, config
-from shim.vm import templatestore
+from shim.vm.template import store as templatestore
 
 from . import status, tomlwrite
 
@@ -79,7 +79,7 @@ def _warm(q: config.HypervisorConfig, shapes: list[str]) -> int:
     """The templates of the default shape (or of `shapes`) made now, ahead of any pod."""
     import asyncio  # warm only: the other commands run no VM
 
-    from shim.vm import templatemaker  # likewise
+    from shim.vm.template import maker as templatemaker  # likewise
 
     try:
         wanted = [templatemaker.Shape.parse(s) for s in shapes] or \

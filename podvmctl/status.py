@@ -12,7 +12,7 @@ import cgroups
 
 from shim.host import paths, shimstate
 from shim.host.cleanup import processes_of
-from shim.vm.jail import confinement
+from shim.vm.qemu.jail import confinement
 from shim.host.podstate import STATE_FILE, PodState, state_path
 from shim.host.processes import start_time
 

@@ -63,7 +63,7 @@ class HypervisorConfig:
     the sandbox cgroup); 0 = podvm's measured figure for the accel."""
     enable_template: bool = True
     """Pods restore a template of their VM's shape instead of booting; a pod whose shape
-    has none boots and its shim makes one in the background (shim/vm/templatemaker.py)."""
+    has none boots and its shim makes one in the background (shim/vm/template/maker.py)."""
     template_path: str = "/var/lib/podvm/templates"
     """Where templates are kept: one saved state per VM shape and guest image."""
     template_max_count: int = 8
@@ -75,17 +75,17 @@ class HypervisorConfig:
     node's reserved resources pay for them, not a pod."""
     console_log_max_kib: int = 256
     """The most of the guest's serial console kept in its console.log (the newest
-    output; shim/vm/console.py)."""
+    output; shim/vm/qemu/console.py)."""
     guest_kernel_hardening: bool = True
     """false: the guest kernel without its mitigations, LSMs and zeroed allocations
-    (shim/vm/qemu_command.py FAST_PARAMS): faster, weaker isolation."""
+    (shim/vm/qemu/command.py FAST_PARAMS): faster, weaker isolation."""
     kernel_params: str = ""
     """Kata's key: parameters added to the guest kernel's command line."""
     seccompsandbox: str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
     """QEMU's -sandbox option (its seccomp filter), Kata's key; "" turns it off."""
     enable_jail: bool = True
     """QEMU in its own mount namespace with only the pod's files, its capabilities cut
-    (shim/vm/jail.py); false only to debug: weaker isolation."""
+    (shim/vm/qemu/jail.py); false only to debug: weaker isolation."""
     jail_id_first: int = 1_800_000_000
     jail_id_count: int = 65536
     """The ids (each one a uid and the gid of the same number) that jailed QEMUs run

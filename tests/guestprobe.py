@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from guest.cpio import CpioWriter
-from shim.vm.qemu_command import KERNEL_PARAMS, QBOOT
+from shim.vm.qemu.command import KERNEL_PARAMS, QBOOT
 from tests.conftest import require, require_tool
 from tests.vmconfig import guest_image, root_image
 

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 
 from shim.config import Config, HypervisorConfig, RuntimeConfig, load
-from shim.vm import templatemaker
+from shim.vm.template import maker as templatemaker
 from tests.conftest import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,11 +20,11 @@ RUST_VIRTIOFSD = ROOT / "build" / "virtiofsd" / "virtiofsd"
 QEMU_VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 VIRTIOFS_DAEMONS = ("qemu-7.2", "rust")
 """The virtiofsds podvm speaks to (shim/vm/virtiofsd.py), by virtiofs_daemon()'s names."""
-# The templates pods of this run make and restore (shim/vm/template.py): this
+# The templates pods of this run make and restore (shim/vm/template/template.py): this
 # process's own, removed by remove_templates() when the run ends.
 TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
 TEMPLATE_CGROUP = f"/podvm-test-templates-{os.getpid()}"
-"""Where this run's templates are made (shim/vm/templatemaker.py): removed with them."""
+"""Where this run's templates are made (shim/vm/template/maker.py): removed with them."""
 
 
 def remove_templates() -> None:

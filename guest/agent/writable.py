@@ -5,7 +5,7 @@ removing files then never leaves the guest: no request crosses to the host's fil
 server, and the layer has ext4's semantics (locks, sockets, FIFOs, xattrs, nanosecond
 times). What a container reads of its image still comes from the share.
 
-The disk is found by its serial (shim/vm/qemu_command.py SCRATCH_SERIAL), mounted at
+The disk is found by its serial (shim/vm/qemu/command.py SCRATCH_SERIAL), mounted at
 the first container that needs it; a container's layer (under LAYERS) goes with the
 container. The pod's own volumes are on the disk too (volumes.py)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The uid and gid each VM's QEMU runs as: one of its own, node-wide, as Firecracker's
-jailer gives each microVM (shim/vm/jail.py uses it). Two QEMUs, or a QEMU and any
+jailer gives each microVM (shim/vm/qemu/jail.py uses it). Two QEMUs, or a QEMU and any
 process of the node (containerd, kubelet, a shim, virtiofsd: uid 0), then never share a
 uid, so the kernel's own checks refuse what a QEMU taken over by its guest would try
 on them: signals (kill, and SIGIO through F_SETOWN/F_SETSIG), ptrace, prlimit64,

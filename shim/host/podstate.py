@@ -96,7 +96,7 @@ class PodState:
     guest_oom_kills: int = 0
     """Containers the guest's OOM killer ended, as the agent reported them."""
     template_cgroup: CgroupState | None = None
-    """The cgroup of the template this pod's shim is making (shim/vm/templatemaker.py),
+    """The cgroup of the template this pod's shim is making (shim/vm/template/maker.py),
     recorded before it is made: `delete` removes it after a crash."""
     version: int = VERSION
 

@@ -1,7 +1,7 @@
 """What the shim needs from a VMM: boot a sized VM (or restore a template's saved one),
 say which host thread does what, grow it, save it, stop it, notice when it dies. The way
 in for every caller: shim/vm/vmm.py's `create()` makes the VM a spec describes (QEMU's,
-shim/vm/qemu.py, the one implementation today); this module names no implementation.
+shim/vm/qemu/driver.py, the one implementation today); this module names no implementation.
 Policy (sizes, placement) is decided elsewhere."""
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class VMSpec:
     nics: tuple[TapNic | PlaceholderNic, ...] = ()
     """The pod's interfaces, bridged to taps whose descriptors QEMU inherits."""
     template: bool = False
-    """The VM is a template (shim/vm/template.py) or is restored from one: its
+    """The VM is a template (shim/vm/template/template.py) or is restored from one: its
     kernel line says so (the guest leaves its share to the agent's Resume) and its NICs
     have the template's MACs (template_mac)."""
     saved: bool = False
@@ -139,7 +139,8 @@ class VM(abc.ABC):
 
     @abc.abstractmethod
     def command(self) -> list[str]:
-        """The VMM's command line (a template's key hashes it: shim/vm/template.py)."""
+        """The VMM's command line (a template's key hashes it:
+        shim/vm/template/template.py)."""
 
     @abc.abstractmethod
     def check_files(self) -> None:

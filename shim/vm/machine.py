@@ -3,7 +3,7 @@ interface (shim/vm/hypervisor.py), the guest agent, the sandbox cgroup, the shar
 directory with every container's rootfs and files, the taps. The Pod (shim/pod/pod.py)
 owns one Machine per boot and calls it; nothing else reaches into it. The Machine holds
 the plan in force and its steps in a VMResizer (shim/vm/resize.py) and its templates in a
-Restorer (shim/vm/restore.py), handing each the VM and agent it acts on.
+Restorer (shim/vm/template/restore.py), handing each the VM and agent it acts on.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -29,11 +29,11 @@ from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
 from . import guestspec, vmm, vmmlog, workdir
-from . import template as templates
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, VMSpec
 from .resize import VMResizer
-from .restore import Restorer
+from .template import template as templates
+from .template.restore import Restorer
 
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb

@@ -49,7 +49,7 @@ class VMResizer:
         vCPUs have room to run), hot-plugs the vCPUs not already present and the memory,
         places the new threads and has the guest bring exactly the plan's vCPUs online;
         a shrink takes vCPUs offline in the guest (they stay plugged, their threads
-        asleep: see add_vcpus in shim/vm/qemu_hotplug.py), then lowers the limits. A
+        asleep: see add_vcpus in shim/vm/qemu/hotplug.py), then lowers the limits. A
         failure puts back the limits and online vCPUs in force before; hot-plugged memory
         cannot be taken back and is recorded as the VM's."""
         old = self.plan
@@ -88,9 +88,9 @@ class VMResizer:
         await self.pin(vm)
 
     async def grow_restored(self, vm: VM, agent: Agent) -> None:
-        """A VM restored from its class's template (shim/vm/template.py, base_of) grown
-        to the plan's vCPUs and memory by the hot-plug of resize(), before any container
-        runs; one already the plan's size is left as it is."""
+        """A VM restored from its class's template (shim/vm/template/template.py, base_of)
+        grown to the plan's vCPUs and memory by the hot-plug of resize(), before any
+        container runs; one already the plan's size is left as it is."""
         vcpus, memory = vm.spec.vcpus, vm.spec.memory_mib
         if (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
             return

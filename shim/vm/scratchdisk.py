@@ -4,7 +4,7 @@ and removing files never leaves the guest.
 
 Each disk is an unnamed file (O_TMPFILE) in `scratch_path`, sparse, of the configured
 size: a copy of the blank file system made once per size (`blank`, by mke2fs), handed
-to QEMU as a descriptor (shim/vm/qemu.py). No path leads to it, so it is gone with the
+to QEMU as a descriptor (shim/vm/qemu/driver.py). No path leads to it, so it is gone with the
 last descriptor, when QEMU exits, however the pod ends: nothing to sweep after a crash,
 and no other process can open it by name. QEMU writes it with O_DIRECT (the host's page
 cache holds none of it: the guest's page cache, in the pod's RAM, is its cache), and the

@@ -49,9 +49,8 @@ from typing import Callable
 import psutil
 
 from ..host.libc import last_errno, libc
-from . import qemu_diagnosis, vmmlog
+from . import vmmlog
 from .hypervisor import HypervisorError, VMSpec
-from .qemu_command import virtio_fs_socket
 
 log = logging.getLogger("podvm.virtiofsd")
 
@@ -149,6 +148,12 @@ async def capabilities(daemon: str) -> dict | None:
     return dict(announced, features=announced.get("features", []))
 
 
+def virtio_fs_socket(workdir: str) -> str:
+    """The vhost-user socket virtiofsd listens on and QEMU connects to
+    (shim/vm/qemu/command.py names it on QEMU's command line)."""
+    return os.path.join(workdir, "virtiofs.sock")
+
+
 def log_path(spec: VMSpec) -> str:
     return os.path.join(spec.workdir, "virtiofsd.log")
 
@@ -221,7 +226,7 @@ class FileServer:
             raise
 
     def said(self) -> str:
-        return qemu_diagnosis.tail(log_path(self.spec), 1000) or "(nothing)"
+        return vmmlog.tail(log_path(self.spec), 1000) or "(nothing)"
 
     def pids(self) -> list[int]:
         """It and the child it serves from (in a PID namespace of its own)."""

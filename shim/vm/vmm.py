@@ -4,7 +4,7 @@ drivers. QEMU is the one podvm has."""
 from __future__ import annotations
 
 from .hypervisor import VM, VMSpec
-from .qemu import QemuVM
+from .qemu.driver import QemuVM
 
 
 def create(spec: VMSpec) -> VM:

@@ -2,21 +2,22 @@
 at a bounded size: `qemu.log`, `virtiofsd.log`. A guest can make QEMU log without
 taking it over (a device it drives wrongly: a warning a request), and a file QEMU's
 stderr were would grow with each one until the node's /run is full. So the VMM writes
-a pipe, and the shim copies it into a ConsoleLog (shim/vm/console.py): never more than
+a pipe, and the shim copies it into a CappedLog (shim/vm/cappedlog.py): never more than
 LOG_MAX_BYTES, the newest output kept, the file reached through descriptors only.
 
-What a child says between fork and exec (the jail that cannot be made, shim/vm/jail.py)
-is in the pipe when the spawn fails: drain() copies it before the log is quoted. The
-copy ends by itself when every writer is gone (the VMM and its children exited); a
-shim that is gone leaves the VMM a pipe without a reader, whose writes fail (QEMU
-and virtiofsd ignore SIGPIPE) instead of filling anything."""
+What a child says between fork and exec (the jail that cannot be made,
+shim/vm/qemu/jail.py) is in the pipe when the spawn fails: drain() copies it before the
+log is quoted (tail()). The copy ends by itself when every writer is gone (the VMM and
+its children exited); a shim that is gone leaves the VMM a pipe without a reader, whose
+writes fail (QEMU and virtiofsd ignore SIGPIPE) instead of filling anything."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
 
-from .console import ConsoleLog
+from . import workdir
+from .cappedlog import CappedLog
 
 log = logging.getLogger("podvm.qemu")
 
@@ -38,7 +39,7 @@ class PipeLog:
 
     def __init__(self, path: str, max_bytes: int = LOG_MAX_BYTES) -> None:
         self.path = path
-        self._log: ConsoleLog | None = ConsoleLog(path, max_bytes)
+        self._log: CappedLog | None = CappedLog(path, max_bytes)
         self._read, self._write = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(self._read, False)
         self._loop = asyncio.get_running_loop()
@@ -84,3 +85,15 @@ class PipeLog:
         if self._log is not None:
             self._log.close_file()
             self._log = None
+
+
+def tail(path: str, size: int = 600) -> str:
+    """The end of the file at `path` on one line ("" when it cannot be read). The logs
+    are in QEMU's work directory, which QEMU can write: read beneath it, never through
+    a link (QEMU's `qemu.log -> /etc/shadow` would be quoted to containerd) nor from a
+    FIFO (which would hold the shim)."""
+    try:
+        data = workdir.read_tail(path, size)
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip().replace("\n", " | ")

@@ -1,6 +1,6 @@
 """The thread ids QMP reports are QEMU's word: a QEMU a guest took over names another
 process's threads (containerd's, another pod's vCPUs) as its vCPUs, and the shim must
-not place or pin them (shim/vm/qemu_query.py checks them against /proc/<qemu>/task,
+not place or pin them (shim/vm/qemu/query.py checks them against /proc/<qemu>/task,
 shim/cpus/pinning.py again just before each affinity is set)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from shim.config import HypervisorConfig
 from shim.cpus import pinning
 from shim.vm.hypervisor import HypervisorError, ThreadRole, VMSpec
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
 from shim.vm.resize import VMResizer
 
 THREADED = ("import threading, time\n"

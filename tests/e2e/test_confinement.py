@@ -1,4 +1,4 @@
-"""QEMU confined (shim/vm/jail.py, its -sandbox) for pods made through containerd's
+"""QEMU confined (shim/vm/qemu/jail.py, its -sandbox) for pods made through containerd's
 CRI: /proc shows the seccomp filter, no_new_privs and no capability (virtiofsd, not
 QEMU, serves the pod's files); its root holds its own work directory and none of the
 pod's files, no other pod's, nor containerd's. virtiofsd (shim/vm/virtiofsd.py; either
@@ -22,7 +22,7 @@ import pytest
 
 from shim.host import paths
 from podvmctl import status
-from shim.vm import jail
+from shim.vm.qemu import jail
 
 from tests.conftest import require_tool
 from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon

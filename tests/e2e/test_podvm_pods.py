@@ -296,7 +296,7 @@ def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
     assert [m for m in mounts_under(ctd.state, shim) if m.endswith(f"{cid}/rootfs")]
     assert not [m for m in mounts_under(ctd.workdir) if cid in m]
     namespaces = pod_mount_namespaces(ctd, pod_id)
-    # the shim's, and QEMU's own (its jail: shim/vm/jail.py), not the host's
+    # the shim's, and QEMU's own (its jail: shim/vm/qemu/jail.py), not the host's
     assert len(namespaces) == 2, namespaces
     remove_pod(crictl, pod_id)
     assert pod_id not in crictl.pods()

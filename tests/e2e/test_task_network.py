@@ -127,7 +127,7 @@ async def test_the_vm_is_the_pod_on_its_network(tmp_path, rootfs, netns) -> None
 async def test_an_attach_that_fails_while_the_template_is_copied_leaves_nothing(
         tmp_path, rootfs, netns) -> None:
     """A pod whose shape has a template copies the template's memory while its taps are
-    made (shim/vm/restore.py, copy_ahead); an attach that fails then stops the copy,
+    made (shim/vm/template/restore.py, copy_ahead); an attach that fails then stops the copy,
     whose process is in the sandbox cgroup, and the pod leaves nothing behind."""
     pod, _ = netns
     q = vm_config().qemu

@@ -1,7 +1,7 @@
-"""Templates (shim/vm/template.py, shim/vm/templatemaker.py) through the CRI, as a user
-sees them: on a fresh node `podvmctl templates warm` makes the default shape's template
-before any pod, so the very first pod restores it, and each restored pod is the pod it
-asked for: the host's clock, its own MAC on its own network (served over HTTP to the
+"""Templates (shim/vm/template/template.py, shim/vm/template/maker.py) through the CRI,
+as a user sees them: on a fresh node `podvmctl templates warm` makes the default shape's
+template before any pod, so the very first pod restores it, and each restored pod is the
+pod it asked for: the host's clock, its own MAC on its own network (served over HTTP to the
 host; no frame from the template's MAC on it), its containers on its own virtio-fs
 share, its own boot id, random bytes and TCP initial sequence numbers (the other pod,
 restored from the same template, has others). A pod of another size is restored from the

@@ -17,7 +17,7 @@ from podvm_core.ttrpc import Code, TtrpcError
 from shim.vm.agent import Agent
 from shim.vm.guestspec import GUEST_SHARED
 from shim.vm.hypervisor import VMSpec
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
 from shim.network.attach import attach
 from shim.network.detach import detach
 from shim.network.model import PodNetwork, Route

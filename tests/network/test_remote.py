@@ -56,7 +56,7 @@ async def test_worker_errors_come_back_typed(pod: Namespace) -> None:
 
 async def test_attach_says_what_it_found_before_it_answers(pod: Namespace) -> None:
     """The worker sends the interfaces before it makes the taps: the shim picks the
-    pod's template from them and copies its memory meanwhile (shim/vm/restore.py,
+    pod's template from them and copies its memory meanwhile (shim/vm/template/restore.py,
     copy_ahead)."""
     seen = []
     worker = await remote.Worker.start()

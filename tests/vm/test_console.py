@@ -1,7 +1,8 @@
-"""The guest's console on the host (shim/vm/console.py): a guest that writes it
-without end costs a file of at most console_log_max_kib, which keeps the newest output;
-on a real QEMU, booted and restored from a template, the log shows what the guest said
-and stays within its cap while the guest floods it."""
+"""The guest's console on the host (shim/vm/qemu/console.py, its file a
+shim/vm/cappedlog.py): a guest that writes it without end costs a file of at most
+console_log_max_kib, which keeps the newest output; on a real QEMU, booted and restored
+from a template, the log shows what the guest said and stays within its cap while the
+guest floods it."""
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,10 @@ import pytest
 from podvm_core.ttrpc import TtrpcError
 from shim import config
 from shim.vm.agent import Agent
-from shim.vm import template as templates
-from shim.vm.console import ConsoleLog
-from shim.vm.qemu import QemuVM
+from shim.vm.cappedlog import CappedLog
+from shim.vm.qemu.console import ConsoleLog
+from shim.vm.qemu.driver import QemuVM
+from shim.vm.template import template as templates
 from tests.vm.test_qemu import spec as boot_spec
 from tests.vm.test_template import vm_spec as template_spec
 
@@ -81,7 +83,7 @@ async def test_an_endless_console_stays_within_its_cap_and_keeps_the_newest(tmp_
 
 
 async def test_a_chunk_larger_than_the_cap_keeps_its_newest_bytes(tmp_path) -> None:
-    log = ConsoleLog(str(tmp_path / "console.log"), 100)
+    log = CappedLog(str(tmp_path / "console.log"), 100)
     log.write(b"a" * 60)
     log.write(b"b" * 30)
     assert (tmp_path / "console.log").read_bytes() == b"a" * 60 + b"b" * 30

@@ -9,8 +9,8 @@ import pathlib
 import pytest
 
 from shim.config import ConfigError, HypervisorConfig, parse
-from shim.vm.qemu import QemuVM
-from shim.vm.qemu_command import FAST_PARAMS, TEMPLATE_PARAM, kernel_line
+from shim.vm.qemu.command import FAST_PARAMS, TEMPLATE_PARAM, kernel_line
+from shim.vm.qemu.driver import QemuVM
 from shim.resources.annotations import KATA, apply_kata_overrides
 from shim.resources.model import PlanError
 from tests.guestprobe import run_probe
@@ -69,7 +69,7 @@ def test_guest_kernel_keeps_its_defences(tmp_path) -> None:
     """Booted as a pod's VM is by default: mitigations on (under TCG's `-cpu max` only
     Spectre v1/v2 apply: the rest say "Not affected"), Debian's LSMs, zeroed heap
     allocations. The kernel is not relocated (PVH skips the decompressor that does
-    KASLR): what shim/vm/qemu_diagnosis.py's vcpu_positions relies on."""
+    KASLR): what shim/vm/qemu/diagnosis.py's vcpu_positions relies on."""
     found = probe(tmp_path, kernel_append(tmp_path).replace(" quiet", ""))
     assert not set(WEAK) & set(found["cmdline"].split()), found["cmdline"]
     assert found["spectre_v2"].startswith("Mitigation: "), found

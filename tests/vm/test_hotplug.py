@@ -9,7 +9,7 @@ import pytest
 
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, ThreadRole
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
 
 from tests.vm.test_qemu import spec
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from shim.network.model import PlaceholderNic
-from shim.vm import qemu_command, vmm
+from shim.vm import vmm
+from shim.vm.qemu import command as qemu_command
 from shim.vm.hypervisor import VM, template_mac
 from tests.vm.test_qemu import spec
 

@@ -1,4 +1,4 @@
-"""QEMU's confinement (shim/vm/jail.py, `-sandbox`) on a real QEMU under TCG: what
+"""QEMU's confinement (shim/vm/qemu/jail.py, `-sandbox`) on a real QEMU under TCG: what
 /proc says of it, what its root holds, what an attacker inside it with its rights can
 reach, and that each capability kept is needed by the 9p server (and mknod refused).
 Over virtio-fs (the default) QEMU keeps no capability and sees none of the pod's files;
@@ -17,8 +17,8 @@ import pytest_asyncio
 from guest.cpio import CpioWriter
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, VMSpec
-from shim.vm import jail, pidfilter
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu import jail, pidfilter
+from shim.vm.qemu.driver import QemuVM
 from shim.host.libc import libc
 from shim.host.mountns import in_namespace
 from tests.conftest import require_root

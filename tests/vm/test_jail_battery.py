@@ -1,7 +1,7 @@
 """What a QEMU taken over by its guest can do to the node, played as that attacker: a
 process with QEMU's real powers (its uid, gid, groups and capabilities from /proc, its
 mount, IPC, network and UTS namespaces by setns, no_new_privs and podvm's seccomp
-filter: shim/vm/jail.py, shim/vm/pidfilter.py) tries every call of the battery the
+filter: shim/vm/qemu/jail.py, shim/vm/qemu/pidfilter.py) tries every call of the battery the
 security read found against a root process of the node (standing for containerd,
 kubelet and the shims: uid 0 with every capability), another pod's QEMU, and the node
 itself (PID 1, root's keyring, SysV IPC, loopback and abstract sockets, the node's
@@ -29,10 +29,10 @@ import pytest
 import pytest_asyncio
 
 from shim.host.libc import libc
-from shim.vm import jail, pidfilter
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import VMSpec
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu import jail, pidfilter
+from shim.vm.qemu.driver import QemuVM
 from tests.conftest import require_root
 from tests.vm.takeover import in_child
 from tests.vmconfig import vm_config

@@ -12,7 +12,7 @@ import pytest
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import (BootTimeout, HypervisorError, MissingFile, ThreadRole,
                                 VMExited, VMSpec)
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
 from tests.conftest import require_root
 from tests.vmconfig import vm_config
 

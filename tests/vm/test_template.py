@@ -1,4 +1,4 @@
-"""Templates (shim/vm/template.py): which VMs share one (the key), what is kept
+"""Templates (shim/vm/template/template.py): which VMs share one (the key), what is kept
 and pruned in template_path, and, on a real QEMU under TCG, a template made, restored
 twice and resumed, and a state that does not fit the VM refused as RestoreFailed."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import RestoreFailed, SavedVM, VMSpec
 from shim.vm import memcopy, stateload
-from shim.vm import template as templates
-from shim.vm import templatestore
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
+from shim.vm.template import store as templatestore
+from shim.vm.template import template as templates
 from shim.network.model import TapNic
 from tests.conftest import require_root
 from tests.vmconfig import vm_config
@@ -214,8 +214,8 @@ def test_a_read_that_fails_in_the_reading_thread_fails_the_copy(tmp_path, monkey
 
 
 async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path) -> None:
-    """A copy the Machine starts before the VM (shim/vm/restore.py, copy_ahead): taken,
-    its memfd and copy are the VM's; closed untaken, its process (in the pod's cgroup,
+    """A copy the Machine starts before the VM (shim/vm/template/restore.py, copy_ahead):
+    taken, its memfd and copy are the VM's; closed untaken, its process (in the pod's cgroup,
     which goes next) is killed and waited for, and its memfd closed."""
     memory = tmp_path / "m.ram"
     memory.write_bytes(os.urandom(1 << 20))

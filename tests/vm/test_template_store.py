@@ -1,4 +1,4 @@
-"""Where templates are kept (shim/vm/templatestore.py): whoever can replace a template
+"""Where templates are kept (shim/vm/template/store.py): whoever can replace a template
 controls the guest of every later pod of its shape, so the store must be root's alone and
 local, or templates are off (pods boot) with one line that says why; nothing is written
 through a name someone else made; and the store is bounded (count, bytes, the disk),
@@ -15,8 +15,8 @@ import pytest
 
 from podvmctl import cli
 from shim.host import mounts
-from shim.vm import template as templates
-from shim.vm import templatestore
+from shim.vm.template import store as templatestore
+from shim.vm.template import template as templates
 from tests.conftest import require_root
 
 

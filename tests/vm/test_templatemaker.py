@@ -1,4 +1,4 @@
-"""Templates made off the pods' path (shim/vm/templatemaker.py), what needs no VM: the
+"""Templates made off the pods' path (shim/vm/template/maker.py), what needs no VM: the
 shapes `podvmctl templates warm` takes, and one maker at a time on a node. A template is
 made for real, and restored by the node's first pod, in tests/e2e/test_templates.py."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 import pytest
 
 from podvmctl import cli
-from shim.vm import template as templates, templatemaker, templatestore
+from shim.vm.template import maker as templatemaker, store as templatestore
+from shim.vm.template import template as templates
 from tests.vmconfig import vm_config
 
 

@@ -14,10 +14,11 @@ import psutil
 import pytest
 
 from shim.host.cleanup import processes_of
-from shim.vm import qemu_command, virtiofsd
+from shim.vm import virtiofsd
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu import command as qemu_command
+from shim.vm.qemu.driver import QemuVM
 from tests.vm.test_qemu import spec
 from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 
@@ -46,7 +47,7 @@ async def test_the_guest_s_ram_is_shared_and_virtiofsd_serves_beside_qemu(tmp_pa
         assert roles[ThreadRole.FILES] and vm.helper_pids
         for pid in vm.helper_pids:
             assert {t.id for t in psutil.Process(pid).threads()} <= set(roles[ThreadRole.FILES])
-        sock = qemu_command.virtio_fs_socket(vm.spec.workdir)
+        sock = virtiofsd.virtio_fs_socket(vm.spec.workdir)
         assert _servers(sock) == sorted(vm.helper_pids)
         words = psutil.Process(vm.helper_pids[0]).cmdline()
         assert words[0] == binary

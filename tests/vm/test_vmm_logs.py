@@ -10,7 +10,7 @@ import pytest
 
 from shim.vm import virtiofsd
 from shim.vm.hypervisor import HypervisorError, VMExited
-from shim.vm.qemu import QemuVM
+from shim.vm.qemu.driver import QemuVM
 from tests.vm.test_qemu import spec
 
 CAP = 256 << 10

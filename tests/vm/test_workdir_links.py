@@ -19,10 +19,10 @@ import pytest
 from shim.host.cleanup import remove_tree
 from shim.host.libc import libc
 from shim.host.mountns import in_namespace
-from shim.vm import qemu_diagnosis
+from shim.vm import vmmlog
 from shim.vm.agent import Agent
-from shim.vm.console import ConsoleLog
-from shim.vm.qemu import QemuVM
+from shim.vm.cappedlog import CappedLog
+from shim.vm.qemu.driver import QemuVM
 from tests.vm.test_console import flood
 from tests.vm.test_jail import spec as jail_spec
 
@@ -98,7 +98,7 @@ def test_a_console_compaction_follows_no_planted_temporary_file(tmp_path, kind) 
     outside = Outside(tmp_path / "etc")
     work = tmp_path / "vm"
     work.mkdir()
-    log = ConsoleLog(str(work / "console.log"), 100)
+    log = CappedLog(str(work / "console.log"), 100)
     plant(str(work), [f"console.log.{os.getpid()}.tmp"], kind,
           {f"console.log.{os.getpid()}.tmp": str(outside.crontab)})
     with no_hang(5):
@@ -117,10 +117,10 @@ def test_a_log_planted_as_a_link_or_fifo_is_not_quoted_and_does_not_hold_the_shi
     work.mkdir()
     plant(str(work), ["qemu.log"], kind, {"qemu.log": str(outside.secret)})
     with no_hang(5):
-        said = qemu_diagnosis.tail(str(work / "qemu.log"))
+        said = vmmlog.tail(str(work / "qemu.log"))
     assert said == ""
     (work / "real.log").write_bytes(b"first\nQEMU's last words\n")  # the control
-    assert qemu_diagnosis.tail(str(work / "real.log")) == "first | QEMU's last words"
+    assert vmmlog.tail(str(work / "real.log")) == "first | QEMU's last words"
 
 
 def test_a_socket_planted_as_a_link_is_not_connected_to(tmp_path) -> None:

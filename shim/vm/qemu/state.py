@@ -1,4 +1,4 @@
-"""A QEMU VM's state saved to a file and loaded back (shim/vm/template.py): QEMU's
+"""A QEMU VM's state saved to a file and loaded back (shim/vm/template/template.py): QEMU's
 migration stream over a descriptor passed on QMP, without memory. The guest's RAM is
 shared (virtiofsd maps it), and shared RAM is what x-ignore-shared leaves out: a
 template's RAM is the file its VM ran on (hypervisor.memory_file beside the state), and a
@@ -14,9 +14,9 @@ from typing import Callable
 
 from qemu.qmp import ExecuteError, QMPClient
 
-from . import stateload
-from .hypervisor import HypervisorError, MemoryAhead, RestoreFailed, SavedVM, VMSpec
-from .qemu_query import Execute
+from .. import stateload
+from ..hypervisor import HypervisorError, MemoryAhead, RestoreFailed, SavedVM, VMSpec
+from .query import Execute
 
 # Both ends of a save: shared memory (the guest's RAM, the root image) is not in the state.
 SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]

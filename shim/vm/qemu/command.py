@@ -3,15 +3,16 @@
 CPU and memory hot-plug, free page reporting, the serial console and the agent on
 sockets in the VM's work directory, the pod's shared directory over virtio-fs (or 9p), the
 guest's RAM shared (virtiofsd maps it), QEMU's seccomp sandbox; and the kernel line the
-guest boots with. Pure: the template key (shim/vm/template.py) is a hash of it."""
+guest boots with. Pure: the template key (shim/vm/template/template.py) is a hash of it."""
 from __future__ import annotations
 
 import os
 
 from podvm_core.protocol import AGENT_PORT
 
-from ..config import HypervisorConfig
-from .hypervisor import VMSpec, template_mac
+from ...config import HypervisorConfig
+from ..hypervisor import VMSpec, template_mac
+from ..virtiofsd import virtio_fs_socket
 
 SHARE_TAG = "podvm"
 RAM = "ram"
@@ -109,19 +110,15 @@ def console_log(workdir: str) -> str:
 
 def console_socket(workdir: str) -> str:
     """QEMU's end of the guest's serial console, copied into console_log at a bounded
-    size (shim/vm/console.py)."""
+    size (shim/vm/qemu/console.py)."""
     return os.path.join(workdir, "console.sock")
-
-
-def virtio_fs_socket(workdir: str) -> str:
-    """virtiofsd's vhost-user socket (shim/vm/virtiofsd.py listens, QEMU connects)."""
-    return os.path.join(workdir, "virtiofs.sock")
 
 
 def _ram(s: VMSpec) -> list[str]:
     """The guest's RAM, always shared: virtiofsd reads and writes the guest's buffers in
-    it. A template's is a file (what it saved besides QEMU's state: shim/vm/template.py),
-    a restored VM's a copy of that file; a booted one's a memfd."""
+    it. A template's is a file (what it saved besides QEMU's state:
+    shim/vm/template/template.py), a restored VM's a copy of that file; a booted one's a
+    memfd."""
     if s.memory_path:
         backend = f"memory-backend-file,mem-path={s.memory_path}"
     else:

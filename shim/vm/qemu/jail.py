@@ -16,7 +16,7 @@ ptrace, prlimit, keyrings and files. What 9p needs is kept through the ambient s
 (a uid other than 0 gets no capability from exec otherwise); no_new_privs is set:
 QEMU's own `-sandbox` (seccomp) needs it without CAP_SYS_ADMIN, and nothing QEMU could
 exec gains a privilege. Last, a seccomp filter of podvm's own keeps QEMU from every
-other process and from the kernel's cross-process interfaces (shim/vm/pidfilter.py).
+other process and from the kernel's cross-process interfaces (shim/vm/qemu/pidfilter.py).
 Everything is decided in the parent (`plan`); the child only makes system calls
 (`Jail.enter`)."""
 from __future__ import annotations
@@ -28,11 +28,11 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from ..host import beneath
-from ..host.libc import last_errno, libc
+from ...host import beneath
+from ...host.libc import last_errno, libc
+from ..hypervisor import VMSpec
 from . import pidfilter
-from .hypervisor import VMSpec
-from .qemu_command import install_prefix
+from .command import install_prefix
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, \
     0x40000000

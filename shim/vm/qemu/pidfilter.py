@@ -2,7 +2,7 @@
 no_new_privs, under QEMU's own `-sandbox` filter, which stacks on it): QEMU reaches no
 process but itself, and none of the kernel's interfaces that act across processes or
 that a denylist cannot follow. QEMU already runs as a uid of its own in IPC and network
-namespaces of its own (shim/vm/jail.py), so the kernel's permission checks refuse these
+namespaces of its own (shim/vm/qemu/jail.py), so the kernel's permission checks refuse these
 calls on containerd, the shims and other pods' QEMUs; this filter is the second wall,
 and the only one for what a uid does not stop. QEMU's `-sandbox` groups deny none of
 them.
@@ -23,7 +23,7 @@ import ctypes
 import errno
 import os
 
-from ..host.libc import last_errno, libc
+from ...host.libc import last_errno, libc
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 AUDIT_ARCH_X86_64 = 0xC000003E

@@ -1,8 +1,8 @@
 """QEMU driver: a pod's VM started (booted, or restored from a template's state) with
-the command line of shim/vm/qemu_command.py, confined (jail.py), its file server beside
-it (virtiofsd.py), attached over QMP, and stopped. What it does over QMP once running is
-in qemu_query.py (size, threads), qemu_hotplug.py and qemu_state.py (save and load); what
-the user is told when it fails, in qemu_diagnosis.py."""
+the command line of shim/vm/qemu/command.py, confined (jail.py), its file server beside
+it (shim/vm/virtiofsd.py), attached over QMP, and stopped. What it does over QMP once
+running is in query.py (size, threads), hotplug.py and state.py (save and load); what
+the user is told when it fails, in diagnosis.py."""
 from __future__ import annotations
 
 import asyncio
@@ -15,16 +15,16 @@ from typing import Callable
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
-from ..host.libc import libc, no_huge_pages
-from ..host.processes import end_child, ended, peek_exit
-from . import (jail, qemu_command, qemu_diagnosis, qemu_hotplug, qemu_query, qemu_state,
-               scratchdisk, workdir)
+from ...host.libc import libc, no_huge_pages
+from ...host.processes import end_child, ended, peek_exit
+from .. import scratchdisk, workdir
+from ..hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
+                          ThreadRole, VM, VMExited, VMSpec)
+from ..virtiofsd import FileServer, virtio_fs_socket
+from ..vmmlog import PipeLog, tail
+from . import command, diagnosis, hotplug, jail, query, state
 from .console import ConsoleLog
 from .jailid import JailId
-from .hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
-                         ThreadRole, VM, VMExited, VMSpec)
-from .virtiofsd import FileServer
-from .vmmlog import PipeLog
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -57,7 +57,7 @@ class QemuVM(VM):
 
     @property
     def agent_socket(self) -> str:
-        return qemu_command.agent_socket(self.spec.workdir)
+        return command.agent_socket(self.spec.workdir)
 
     def take_agent_stream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self._agent_stream is None:
@@ -67,7 +67,7 @@ class QemuVM(VM):
 
     @property
     def qmp_socket(self) -> str:
-        return qemu_command.qmp_socket(self.spec.workdir)
+        return command.qmp_socket(self.spec.workdir)
 
     @property
     def control_socket(self) -> str:
@@ -75,17 +75,17 @@ class QemuVM(VM):
 
     @property
     def console_log(self) -> str:
-        return qemu_command.console_log(self.spec.workdir)
+        return command.console_log(self.spec.workdir)
 
     @property
-    def console_socket(self) -> str:  # copied into console_log (shim/vm/console.py)
-        return qemu_command.console_socket(self.spec.workdir)
+    def console_socket(self) -> str:  # copied into console_log (shim/vm/qemu/console.py)
+        return command.console_socket(self.spec.workdir)
 
     def command(self) -> list[str]:
-        return qemu_command.command(self.spec)
+        return command.command(self.spec)
 
     def check_files(self) -> None:
-        qemu_diagnosis.check_files(self.spec)
+        diagnosis.check_files(self.spec)
 
     @property
     def jail_id(self) -> int | None:
@@ -97,8 +97,8 @@ class QemuVM(VM):
 
     async def launch(self, preexec=None, restore_from: SavedVM | None = None,
                      memory: MemoryAhead | None = None) -> None:
-        """`restore_from`: a template's saved VM (shim/vm/template.py) that QEMU loads
-        instead of booting the guest; RestoreFailed when that fails."""
+        """`restore_from`: a template's saved VM (shim/vm/template/template.py) that QEMU
+        loads instead of booting the guest; RestoreFailed when that fails."""
         self.check_files()
         os.makedirs(self.spec.workdir, mode=0o700, exist_ok=True)
         if self.spec.hypervisor.enable_jail:
@@ -109,14 +109,14 @@ class QemuVM(VM):
         memfd = disk = -1
         try:
             # The RAM's copy first: a restore's longest step, which all the rest overlaps.
-            memfd, self._memory = qemu_state.open_memory(self.spec, restore_from, preexec,
+            memfd, self._memory = state.open_memory(self.spec, restore_from, preexec,
                                                          memory)
             if self.spec.hypervisor.shared_fs == "virtio-fs" and not self.spec.saved:
                 self._files = FileServer(self.spec)
                 self._files.start_soon(preexec)
                 if not restore_from:  # a booted QEMU connects to it as it starts
                     await self._files.ready()
-                    self._jail.give_socket(qemu_command.virtio_fs_socket(self.spec.workdir))
+                    self._jail.give_socket(virtio_fs_socket(self.spec.workdir))
             disk = scratchdisk.open_for(self.spec.hypervisor)
             # descriptors: no path of the guest's RAM or of its disk is in the jail
             self.spec = dataclasses.replace(
@@ -166,7 +166,7 @@ class QemuVM(VM):
             stderr.close()
             stderr.drain()
             raise HypervisorError(f"cannot start QEMU of sandbox {self.spec.sandbox_id}: "
-                                  f"{qemu_diagnosis.qemu_log_tail(self.spec)}") from None
+                                  f"{diagnosis.qemu_log_tail(self.spec)}") from None
         finally:
             stderr.close()
         try:
@@ -188,9 +188,9 @@ class QemuVM(VM):
             async with asyncio.timeout(self.spec.hypervisor.boot_timeout):
                 await self._first_of(self._attach_and_boot(), self._exited_early())
         except TimeoutError:
-            where = await qemu_diagnosis.vcpu_positions(self._qmp) if self._qmp else ""
+            where = await diagnosis.vcpu_positions(self._qmp) if self._qmp else ""
             await self.stop(timeout=0)
-            raise BootTimeout(qemu_diagnosis.boot_timeout(self.spec, self._boot_stage) +
+            raise BootTimeout(diagnosis.boot_timeout(self.spec, self._boot_stage) +
                               where) from None
         except VANISHED as exc:
             # QEMU died under the QMP handshake (an abort at start reads as EOF there):
@@ -201,8 +201,8 @@ class QemuVM(VM):
                 raise gone from None
             raise HypervisorError(f"cannot attach to QEMU of sandbox {self.spec.sandbox_id}: "
                                   f"{type(exc).__name__}: {exc}; QEMU said: "
-                                  f"{qemu_diagnosis.qemu_log_tail(self.spec)}; "
-                                  f"{qemu_diagnosis.accel_hint(self.spec)}") from None
+                                  f"{diagnosis.qemu_log_tail(self.spec)}; "
+                                  f"{diagnosis.accel_hint(self.spec)}") from None
         except BaseException:
             await self.stop(timeout=0)
             raise
@@ -243,7 +243,7 @@ class QemuVM(VM):
             await self._console.finished(grace=1)
         if self._stderr is not None:
             self._stderr.drain()
-        return qemu_diagnosis.exited(self.spec, proc.pid, status, self._booted)
+        return diagnosis.exited(self.spec, proc.pid, status, self._booted)
 
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
@@ -279,9 +279,9 @@ class QemuVM(VM):
             if self._files is not None:
                 self._boot_stage = "the pod's virtiofsd was starting"
                 await self._files.ready()
-                self._jail.give_socket(qemu_command.virtio_fs_socket(self.spec.workdir))
+                self._jail.give_socket(virtio_fs_socket(self.spec.workdir))
                 self._boot_stage = "QEMU did not add the virtio-fs device"
-                await qemu_hotplug.add_virtio_fs(self._execute, self.spec.workdir)
+                await hotplug.add_virtio_fs(self._execute, self.spec.workdir)
             self._boot_stage = "QEMU did not start the vCPUs (QMP cont)"
             await qmp.execute("cont")
             log.info("guest agent port open (restored from %s)", self._restore_from.state)
@@ -301,22 +301,22 @@ class QemuVM(VM):
     async def _load(self, saved: SavedVM) -> None:
         assert self._qmp is not None and self._memory is not None
         await self._memory  # the guest's RAM, copied and checked meanwhile
-        await qemu_state.load(self._qmp, self._execute, saved)
+        await state.load(self._qmp, self._execute, saved)
 
     async def save(self, path: str) -> None:
-        """The VM stopped and its state written to `path` (shim/vm/qemu_state.py)."""
-        await qemu_state.save(self._send_fd, self._execute, path)
+        """The VM stopped and its state written to `path` (shim/vm/qemu/state.py)."""
+        await state.save(self._send_fd, self._execute, path)
 
     def _send_fd(self, fd: int) -> None:
         assert self._qmp is not None
         self._qmp.send_fd_scm(fd)
 
     def console_tail(self, size: int = 2000) -> str:
-        return qemu_diagnosis.tail(self.console_log, size) or "(nothing)"
+        return tail(self.console_log, size) or "(nothing)"
 
     async def threads(self) -> dict[ThreadRole, list[int]]:
         try:
-            roles = await qemu_query.threads(self._execute, self.pid)
+            roles = await query.threads(self._execute, self.pid)
         except psutil.NoSuchProcess:
             raise (await self.exited(grace=2)) or HypervisorError("QEMU is gone") from None
         if self._files is not None:
@@ -339,14 +339,14 @@ class QemuVM(VM):
                 f"{type(exc).__name__}: {exc}") from None
 
     async def size(self) -> tuple[int, int]:
-        return await qemu_query.size(self._execute)
+        return await query.size(self._execute)
 
     async def add_vcpus(self, count: int) -> list[int]:
-        """No unplug, and no free slot under TCG: shim/vm/qemu_hotplug.py."""
-        return await qemu_hotplug.add_vcpus(self._execute, count)
+        """No unplug, and no free slot under TCG: shim/vm/qemu/hotplug.py."""
+        return await hotplug.add_vcpus(self._execute, count)
 
     async def add_memory(self, mib: int) -> int:
-        return await qemu_hotplug.add_memory(self._execute, mib, self.spec.max_memory_mib)
+        return await hotplug.add_memory(self._execute, mib, self.spec.max_memory_mib)
 
     async def stop(self, timeout: float = 10) -> None:
         proc = self._proc

@@ -1,5 +1,5 @@
 """The uid and gid of one VM's jailed QEMU (shim/host/jailids.py hands them out), held by
-its driver (shim/vm/qemu.py) from launch to stop: what QEMU must open as that id is
+its driver (shim/vm/qemu/driver.py) from launch to stop: what QEMU must open as that id is
 given to it (its work directory, where it makes its sockets, pid file and log; the
 descriptors of the guest's RAM and scratch disk, which it opens again by /proc/self/fd
 paths; virtiofsd's socket, which it connects to), and the id goes back to the node once
@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..host import jailids
-from .hypervisor import VMSpec
+from ...host import jailids
+from ..hypervisor import VMSpec
 
 
 class JailId:

@@ -16,7 +16,7 @@ names (QEMU, kernel, initrd, root image). A new guest image or QEMU is a new key
 templates of files that changed are removed when the next one is saved.
 
 Whoever can change a template controls the guest of every later pod of its shape: the
-store must be root's alone and local, and is bounded (shim/vm/templatestore.py); files
+store must be root's alone and local, and is bounded (shim/vm/template/store.py); files
 are made new (O_EXCL, O_NOFOLLOW) and appear by rename, and `<key>.json` records each
 file's digest, which the restore checks as it reads (shim/vm/stateload.py): a template
 changed since it was saved is discarded, never loaded.
@@ -34,7 +34,7 @@ A template has the boot size of its class, not the pod's (base_of): pods that di
 vCPUs or whole blocks of memory share it, and each is grown to its own plan after the
 restore.
 
-Made off every pod's path (shim/vm/templatemaker.py: ahead by `podvmctl templates
+Made off every pod's path (shim/vm/template/maker.py: ahead by `podvmctl templates
 warm`, or in the background after a pod of a new shape booted), in a cgroup of its own,
 under a lock; restored by reads past the page cache, so a pod is charged what its own
 VM uses, not another's reads."""
@@ -49,11 +49,12 @@ import os
 import time
 from typing import Callable
 
-from ..host.cleanup import remove_tree
-from ..network.model import PlaceholderNic
-from ..resources.update import MEMORY_BLOCK_MIB
-from . import memcopy, scratchdisk, stateload, templatestore, vmm
-from .hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
+from ...host.cleanup import remove_tree
+from ...network.model import PlaceholderNic
+from ...resources.update import MEMORY_BLOCK_MIB
+from .. import memcopy, scratchdisk, stateload, vmm
+from ..hypervisor import HypervisorError, RestoreFailed, SavedVM, VMSpec, memory_file
+from . import store
 
 log = logging.getLogger("podvm.template")
 
@@ -95,19 +96,19 @@ class Template:
 
     def discard(self, why: str) -> None:
         log.warning("template %s discarded: %s", self.key, why)
-        templatestore.delete(self.directory, self.key)
+        store.delete(self.directory, self.key)
 
     def size(self) -> int:
         """Bytes on disk, its memory's holes not counted."""
-        return templatestore.size(self.directory, self.key)
+        return store.size(self.directory, self.key)
 
     def record_use(self) -> None:
-        templatestore.record_use(self.directory, self.key)
+        store.record_use(self.directory, self.key)
 
     def lock(self) -> "_Lock | None":
         """The right to make this template, or None while another pod makes it."""
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        fd = templatestore.lock(self.directory, self.key)
+        fd = store.lock(self.directory, self.key)
         return _Lock(fd) if fd >= 0 else None
 
     async def make(self, spec: VMSpec, preexec: Callable[[], None] | None,
@@ -135,7 +136,7 @@ class Template:
                 # seconds of disk and hashing: off the loop of the shim that may make it
                 digests = await asyncio.to_thread(_finish, tmp)
                 with _new_file(f"{self.meta}.tmp") as f:
-                    json.dump({"format": templatestore.FORMAT, "inputs": self.inputs,
+                    json.dump({"format": store.FORMAT, "inputs": self.inputs,
                                "sha256": digests,
                                "command": vm.command(), "made": time.time(),
                                "made_by": spec.sandbox_id}, f, indent=1)
@@ -154,8 +155,8 @@ class Template:
             remove_tree(vm.spec.workdir)
         log.info("template %s made by sandbox %s in %.2fs (%d MiB)", self.key,
                  spec.sandbox_id, time.monotonic() - started, self.size() >> 20)
-        templatestore.prune(self.directory)
-        if not templatestore.trim(self.directory, max_count, max_bytes, keep=self.key):
+        store.prune(self.directory)
+        if not store.trim(self.directory, max_count, max_bytes, keep=self.key):
             self.discard(f"{self.size() >> 20} MiB alone is more than template_max_mib")
 
 
@@ -198,14 +199,14 @@ def base_of(spec: VMSpec, vcpus: int, memory_mib: int) -> VMSpec:
 def of(spec: VMSpec) -> Template:
     """The template that `spec`'s VM (its NICs attached already) would restore."""
     q = spec.hypervisor
-    inputs = {name: templatestore.identity(path) for name, path in (
+    inputs = {name: store.identity(path) for name, path in (
         ("qemu", q.path), ("kernel", q.kernel), ("initrd", q.initrd), ("image", q.image))}
     if q.scratch_disk_mib:  # the guest has read the blank's first blocks
-        inputs["scratch"] = templatestore.identity(scratchdisk.blank(q))
+        inputs["scratch"] = store.identity(scratchdisk.blank(q))
     canonical = dataclasses.replace(template_spec(spec), sandbox_id="", workdir="/",
                                     shared_dir="/", memory_path="/", scratch_disk="/")
     digest = hashlib.sha256(json.dumps({
-        "format": templatestore.FORMAT, "inputs": inputs,
+        "format": store.FORMAT, "inputs": inputs,
         "command": vmm.create(canonical).command()}, sort_keys=True).encode())
     return Template(q.template_path, digest.hexdigest()[:32], inputs)
 

@@ -24,13 +24,13 @@ from typing import Callable
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 
-from ..config import HypervisorConfig
-from ..host.capacity import capacity
-from ..host.cleanup import remove_parent_if_empty
-from ..host.podstate import CgroupState
-from ..network.model import PlaceholderNic
-from . import template as templates, templatestore
-from .hypervisor import VMSpec
+from ...config import HypervisorConfig
+from ...host.capacity import capacity
+from ...host.cleanup import remove_parent_if_empty
+from ...host.podstate import CgroupState
+from ...network.model import PlaceholderNic
+from ..hypervisor import VMSpec
+from . import store, template as templates
 
 log = logging.getLogger("podvm.templatemaker")
 
@@ -122,8 +122,8 @@ def refusal(q: HypervisorConfig) -> str:
     """Why this configuration keeps no templates; "" when it keeps them."""
     if not q.enable_template:
         return "enable_template = false"
-    if not templatestore.store_trusted(q.template_path):
-        return templatestore.untrusted_store(q.template_path)
+    if not store.store_trusted(q.template_path):
+        return store.untrusted_store(q.template_path)
     return ""
 
 
@@ -147,7 +147,7 @@ async def make(shape: VMSpec, record: Record | None = None) -> Outcome:
     if template.exists():
         return exists
     os.makedirs(q.template_path, mode=0o700, exist_ok=True)
-    slot = templatestore.lock(q.template_path, MAKING)
+    slot = store.lock(q.template_path, MAKING)
     if slot < 0:
         return Outcome(Result.BUSY, "another template is being made on this node")
     try:
@@ -157,7 +157,7 @@ async def make(shape: VMSpec, record: Record | None = None) -> Outcome:
         try:
             if template.exists():
                 return exists
-            if not templatestore.make_room(q.template_path, shape.memory_mib << 20,
+            if not store.make_room(q.template_path, shape.memory_mib << 20,
                                            q.template_max_count, q.template_max_mib << 20):
                 return Outcome(Result.NO_ROOM, "no room for a template (template_max_count, "
                                                "template_max_mib, disk)")
@@ -214,11 +214,11 @@ async def warm(q: HypervisorConfig, shapes: list[Shape],
     """`podvmctl templates warm`: each shape's template made unless it exists, its line
     led by the shape. Waits up to `wait_s` for a maker already at work (a pod's shim)
     rather than skipping the shape. TemplatesOff where the configuration keeps none. The
-    store is pruned first (templatestore.prune)."""
+    store is pruned first (store.prune)."""
     off = refusal(q)
     if off:
         raise TemplatesOff(off)
-    templatestore.prune(q.template_path)  # what changed or a killed maker left goes first
+    store.prune(q.template_path)  # what changed or a killed maker left goes first
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="podvm-warm-") as work:
         for shape in shapes:

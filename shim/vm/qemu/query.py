@@ -8,7 +8,7 @@ from typing import Awaitable, Callable
 
 import psutil
 
-from .hypervisor import HypervisorError, ThreadRole
+from ..hypervisor import HypervisorError, ThreadRole
 
 Execute = Callable[..., Awaitable[object]]
 """One QMP command (name, arguments) as QemuVM._execute runs it: QEMU gone raises how

@@ -12,16 +12,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..network.model import PlaceholderNic, PodNetwork
-from . import template as templates, templatemaker, vmm
-from .hypervisor import RestoreFailed, VMSpec, template_mac
-from .stateload import MemoryCopy
+from ...network.model import PlaceholderNic, PodNetwork
+from .. import vmm
+from ..hypervisor import RestoreFailed, VMSpec, template_mac
+from ..stateload import MemoryCopy
+from . import maker, template as templates
 
 if TYPE_CHECKING:
-    from ..host.cgroup import HostCgroup
-    from ..network.model import TapNic
-    from .agent import Agent
-    from .hypervisor import VM
+    from ...host.cgroup import HostCgroup
+    from ...network.model import TapNic
+    from ..agent import Agent
+    from ..hypervisor import VM
 
 log = logging.getLogger("podvm.machine")
 
@@ -50,7 +51,7 @@ class Restorer:
         # A static VM is the confidential one: it shares no memory with other pods.
         if self._static:
             return None
-        return templatemaker.class_of(spec)
+        return maker.class_of(spec)
 
     def copy_ahead(self, spec: VMSpec, network: PodNetwork) -> None:
         """The memory of the template that `spec` with `network`'s interfaces will
@@ -121,10 +122,10 @@ class Restorer:
 
     def make_template(self) -> None:
         """After a boot that found no template of its shape: that template made in the
-        background (in its own cgroup, shim/vm/templatemaker.py), for the next pod;
+        background (in its own cgroup, shim/vm/template/maker.py), for the next pod;
         cancelled by cancel_template() if the pod goes first."""
         if self._untemplated is not None and self._template_maker is None:
-            self._template_maker = asyncio.create_task(templatemaker.make_in_background(
+            self._template_maker = asyncio.create_task(maker.make_in_background(
                 self._untemplated, self.id, lambda cg: self._record(template_cgroup=cg)))
 
     async def cancel_template(self) -> None:

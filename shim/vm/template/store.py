@@ -1,6 +1,6 @@
 """The directory templates are kept in (template_path), as a whole: whether it may be
 trusted, what is in it (`podvmctl templates`), what goes when. Each template is a few
-files named by its key (shim/vm/template.py): `<key>.json` (what it was made of, its
+files named by its key (shim/vm/template/template.py): `<key>.json` (what it was made of, its
 digests), `<key>.vmstate` and `<key>.vmstate.ram` (the saved VM), `<key>.lock` (held
 while it is made or removed) and `<key>.uses` (one byte appended per restore: its size
 is the template's hits, its mtime the last use).
@@ -19,7 +19,7 @@ import re
 import stat
 import time
 
-from ..host import mounts
+from ...host import mounts
 
 log = logging.getLogger("podvm.template")
 
@@ -214,7 +214,7 @@ def prune(directory: str) -> list[str]:
 
 
 MAKING_FILE = re.compile(r"([0-9a-f]+)\.vmstate\.\d+\.tmp(\.ram)?")
-"""A template's files while its maker writes them (shim/vm/template.py: the state,
+"""A template's files while its maker writes them (shim/vm/template/template.py: the state,
 `<key>.vmstate.<pid>.tmp`, and the memory beside it)."""
 
 

@@ -10,11 +10,12 @@ import signal
 
 from qemu.qmp import QMPClient
 
-from ..config import DEFAULT_PATH as DEFAULT_CONFIG
-from ..resources.update import MEMORY_BLOCK_MIB
-from . import qemu_command, workdir
-from .hypervisor import MissingFile, VMExited, VMSpec
-from .qemu_command import qboot
+from ...config import DEFAULT_PATH as DEFAULT_CONFIG
+from ...resources.update import MEMORY_BLOCK_MIB
+from ..hypervisor import MissingFile, VMExited, VMSpec
+from ..vmmlog import tail
+from . import command
+from .command import qboot
 
 log = logging.getLogger("podvm.qemu")
 
@@ -55,7 +56,7 @@ def exited(spec: VMSpec, pid: int, status: int, booted: bool) -> VMExited:
     when = "while the pod was running" if booted else "before the guest came up"
     return VMExited(f"QEMU (pid {pid}) of sandbox {spec.sandbox_id} {how} "
                     f"{when}; QEMU said: {qemu_log_tail(spec)}; guest console ends "
-                    f"with: {tail(qemu_command.console_log(spec.workdir)) or '(nothing)'}; "
+                    f"with: {tail(command.console_log(spec.workdir)) or '(nothing)'}; "
                     f"{accel_hint(spec)}")
 
 
@@ -66,7 +67,7 @@ def boot_timeout(spec: VMSpec, stage: str) -> str:
             f"{q.boot_timeout}s (accel={q.accel}): {stage}; QEMU said: "
             f"{qemu_log_tail(spec)}; "
             f"guest console ends with: "
-            f"{tail(qemu_command.console_log(spec.workdir)) or '(nothing)'}; "
+            f"{tail(command.console_log(spec.workdir)) or '(nothing)'}; "
             f"{accel_hint(spec)}")
 
 
@@ -100,15 +101,3 @@ async def vcpu_positions(qmp: QMPClient) -> str:
 
 def qemu_log_tail(spec: VMSpec) -> str:
     return tail(os.path.join(spec.workdir, "qemu.log")) or "(no output)"
-
-
-def tail(path: str, size: int = 600) -> str:
-    """The end of the file at `path` on one line ("" when it cannot be read). The logs
-    are in QEMU's work directory, which QEMU can write: read beneath it, never through
-    a link (QEMU's `qemu.log -> /etc/shadow` would be quoted to containerd) nor from a
-    FIFO (which would hold the shim)."""
-    try:
-        data = workdir.read_tail(path, size)
-    except OSError:
-        return ""
-    return data.decode(errors="replace").strip().replace("\n", " | ")

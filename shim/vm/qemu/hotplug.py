@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from qemu.qmp import ExecuteError
 
-from ..resources.update import MEMORY_BLOCK_MIB
-from . import qemu_command, qemu_query
-from .hypervisor import CannotGrow, HypervisorError
-from .qemu_query import Execute
+from ...resources.update import MEMORY_BLOCK_MIB
+from ..hypervisor import CannotGrow, HypervisorError
+from . import command, query
+from .query import Execute
 
 
 async def add_vcpus(execute: Execute, count: int) -> list[int]:
@@ -16,7 +16,7 @@ async def add_vcpus(execute: Execute, count: int) -> list[int]:
     them); their host thread ids. There is no unplug: after a device_del of a vCPU,
     QEMU 7.2 under TCG crashes (double free) on its next device_add, so a VM shrinks
     by taking vCPUs offline in the guest instead (their threads then sleep). Under
-    TCG there is no free slot: every vCPU is plugged at boot (shim/vm/qemu_command.py)."""
+    TCG there is no free slot: every vCPU is plugged at boot (shim/vm/qemu/command.py)."""
     slots = await execute("query-hotpluggable-cpus")
     free = sorted((s for s in slots if "qom-path" not in s),  # type: ignore[union-attr]
                   key=lambda s: tuple(sorted(s["props"].items())))
@@ -44,7 +44,7 @@ async def add_memory(execute: Execute, mib: int, max_memory_mib: int) -> int:
     if mib <= 0 or mib % MEMORY_BLOCK_MIB:
         raise CannotGrow(f"memory hot-plug takes multiples of {MEMORY_BLOCK_MIB} "
                          f"MiB, not {mib}")
-    _, total = await qemu_query.size(execute)
+    _, total = await query.size(execute)
     if total + mib > max_memory_mib:
         raise CannotGrow(f"cannot add {mib} MiB: the VM has {total} MiB and may "
                          f"grow to {max_memory_mib} MiB (maxmem)")
@@ -67,9 +67,9 @@ async def add_memory(execute: Execute, mib: int, max_memory_mib: int) -> int:
 
 async def add_virtio_fs(execute: Execute, workdir: str) -> None:
     """The virtio-fs device and its socket to virtiofsd, added to a VM restored from a
-    template (which has the root port for it: shim/vm/qemu_command.py)."""
+    template (which has the root port for it: shim/vm/qemu/command.py)."""
     try:
-        await execute("chardev-add", qemu_command.virtio_fs_chardev(workdir))
-        await execute("device_add", qemu_command.virtio_fs_device())
+        await execute("chardev-add", command.virtio_fs_chardev(workdir))
+        await execute("device_add", command.virtio_fs_device())
     except ExecuteError as exc:
         raise HypervisorError(f"QEMU refused the virtio-fs device: {exc}") from None
