@@ -5,7 +5,7 @@
 The file holds only the newest bytes: never more than its cap, and once the cap was
 reached, at least half of it. So whatever writes without end costs the host a bounded
 file in /run, and the log still ends with what was said last, for the error messages
-that quote it and for `delete` and `podvmctl`, which read the file after the shim.
+that quote it.
 
 A compaction rewrites the file's newest half in one rename (podvm_core/atomic.py): a
 reader sees the old file or the new one, never a part. It happens once per half a cap

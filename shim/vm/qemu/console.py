@@ -6,8 +6,7 @@ reader copies it into `console.log`, a CappedLog (shim/vm/cappedlog.py): never m
 than the configured cap ([hypervisor.qemu] console_log_max_kib), the newest bytes kept.
 So a guest that writes its console forever costs the host a bounded file in /run and
 the copying, and the log still ends with what the guest said last, for the error
-messages that quote it (shim/vm/qemu/driver.py's console_tail) and for `delete` and
-`podvmctl`, which read the file after the shim. When the shim is gone, QEMU drops what
+messages that quote it (shim/vm/qemu/driver.py's console_tail). When the shim is gone, QEMU drops what
 the guest writes (no client on the socket), and the guest is never held up by a
 console nobody reads."""
 from __future__ import annotations
