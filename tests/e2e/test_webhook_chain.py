@@ -26,10 +26,12 @@ at most 64 MiB up to 1 GiB VMs (tests/e2e/test_guest_memory.py)."""
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, image_cache):
-    """A static-mode node that lets pods carry the sizing annotations."""
+    """A static-mode node that lets pods carry the sizing annotations. Its pod boots
+    three vCPUs under TCG (static: no template), which a busy core can hold past a
+    minute."""
     workdir = tmp_path_factory.mktemp("webhook-chain")
     ctd = start_containerd(workdir, image_cache, {"static_sandbox_resource_mgmt": True},
-                           default_maxvcpus=4, default_maxmemory=2048,
+                           default_maxvcpus=4, default_maxmemory=2048, boot_timeout=180,
                            enable_annotations=("default_vcpus", "default_memory"))
     try:
         yield ctd
