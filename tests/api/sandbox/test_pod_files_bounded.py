@@ -25,10 +25,9 @@ from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from shim.host import mounts, paths
 from shim.vm import vmmlog, workdir
 from tests.vm import takeover
-from tests.contract.test_process_contract import wait_gone
 
 from tests.api.sandbox.harness import MIB, NS, sandbox_shim
-from tests.api.sandbox.test_podfiles import rootfs, run_container  # noqa: F401
+from tests.api.sandbox.test_podfiles import rootfs, run_container, shut_down  # noqa: F401
 
 FILES = ("/etc/hosts", "/etc/hostname", "/etc/resolv.conf")
 WRITE_MIB = 64
@@ -107,12 +106,7 @@ async def _write_the_files(tmp_path, rootfs) -> None:  # noqa: F811
         out = await run_container(pod, tmp_path, rootfs, "reader", "cat /etc/hostname")
         assert out == "api-pod\nEND\n"
 
-        await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
-                       sb.StopSandboxResponse)
-        await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
-                       sb.ShutdownSandboxResponse)
-        await wait_gone(pod.daemon_pid, timeout=60)
-        assert not os.path.exists(pod_dir)
+        await shut_down(pod, pod_dir)
 
 
 async def test_a_qemu_taken_over_fills_its_own_bounded_directory_not_the_node_s_run(
@@ -137,12 +131,7 @@ async def test_a_qemu_taken_over_fills_its_own_bounded_directory_not_the_node_s_
             # the pod lives on, its logs no longer kept; it goes as it came
             out = await run_container(pod, tmp_path, rootfs, "after", "echo alive")
             assert out == "alive\nEND\n"
-            await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
-                           sb.StopSandboxResponse)
-            await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
-                           sb.ShutdownSandboxResponse)
-            await wait_gone(pod.daemon_pid, timeout=60)
-            assert not os.path.exists(pod_dir)
+            await shut_down(pod, pod_dir)
 
 
 def _fill(directory: str) -> takeover.Attempt:

@@ -29,6 +29,17 @@ def rootfs(tmp_path_factory) -> pathlib.Path:
     return busybox_rootfs(tmp_path_factory.mktemp("busybox-rootfs"))
 
 
+async def shut_down(pod, pod_dir: pathlib.Path) -> None:
+    """StopSandbox and ShutdownSandbox as containerd 2.x calls them: the daemon exits and
+    the pod's state directory is gone."""
+    await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
+                   sb.StopSandboxResponse)
+    await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
+                   sb.ShutdownSandboxResponse)
+    await wait_gone(pod.daemon_pid, timeout=60)
+    assert not os.path.exists(pod_dir)
+
+
 async def run_container(pod, tmp_path: pathlib.Path, rootfs: pathlib.Path, cid: str,
                         script: str, readonly: bool = False,
                         mounts: list[dict] | None = None,
@@ -98,9 +109,4 @@ async def test_containers_get_the_pods_resolv_conf_hosts_and_hostname(tmp_path,
         assert out == "10.0.0.1\tmine\nresolv=ro\ndns-pod\nEND\n"
         assert (pod_dir / "etc" / "resolv.conf").read_text() == RESOLV_CONF
 
-        await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
-                       sb.StopSandboxResponse)
-        await pod.call("ShutdownSandbox", sb.ShutdownSandboxRequest(sandbox_id=pod.id),
-                       sb.ShutdownSandboxResponse)
-        await wait_gone(pod.daemon_pid, timeout=60)
-        assert not os.path.exists(pod_dir)
+        await shut_down(pod, pod_dir)
