@@ -125,9 +125,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
      "shim.host.cleanup"):
         "the daemon's exit: psutil and cgroups would grow every idle daemon",
     ("shim/contract/daemon.py",
-     "shim.network.remote"):
-        "a pod with a network only",
-    ("shim/contract/daemon.py",
      "shim.pod.hostns"):
         "a pod with a network only",
     ("shim/contract/daemon.py",
@@ -154,7 +151,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/host/cgroup.py",
      "podvm_core.pb.containerd.cgroups.v1.metrics_pb2"):
         "the first metrics call on a v1 host",
-    ("shim/host/libc.py",
+    ("shim/libc.py",
      "ctypes"):
         "the first call, not every module that names libc()",
     ("shim/host/emptydir.py",
@@ -163,9 +160,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/host/mounts.py",
      "shim.host.mountns"):
         "a bind from the pod's namespace only: the idle daemon has no use for it",
-    ("shim/network/remote.py",
-     "shim.host.podstate"):
-        "the worker starts before the daemon loads the pod's model",
+    ("shim/network/ahead.py",
+     "shim.network.remote"):
+        "a pod with a network only: the idle daemon holds a WorkerAhead",
     ("shim/vm/machine.py",
      "shim.network.portforward"):
         "a pod with a network only",

@@ -20,7 +20,7 @@ from . import log as shimlog
 from ..host import paths, shimstate
 from ..api.events import Publisher
 from ..api.task.deferred import TaskAPI
-from ..pod.slot import PodSlot
+from ..pod.podslot import PodSlot
 from .flags import Flags
 
 log = logging.getLogger("podvm.shim")
@@ -63,7 +63,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
     def shutdown() -> None:
         loop.call_soon(stop.set)
 
-    # The one pod, shared by both APIs (shim/pod/slot.py).
+    # The one pod, shared by both APIs (shim/pod/podslot.py).
     slot = PodSlot()
     tasks = TaskAPI(flags.namespace, publisher, shutdown, slot)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
@@ -103,20 +103,17 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
 async def _start_network_worker(slot: PodSlot, bundle: str) -> None:
     """The network worker for the pod whose sandbox container `start` came for, when its
     spec names the pod's network namespace: started now, while containerd has yet to
-    send the Create that boots the pod, it waits in the slot and is ready when the boot
-    needs it."""
-    # Here, not at the top: a daemon without a pod network has no use for them.
-    from ..network import remote
-    from ..pod.hostns import spec_namespaces  # likewise
+    send the Create that boots the pod, it is ready when the boot needs it
+    (shim/network/ahead.py)."""
+    # Here, not at the top: a daemon without a pod network has no use for it.
+    from ..pod.hostns import spec_namespaces
 
     try:
         spec = paths.read_spec(bundle)
     except (OSError, ValueError):
         return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
     if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
-        worker = await remote.Worker.start()
-        if not slot.keep_network_worker(worker):  # the Create came first: its own
-            await worker.close()
+        await slot.network_worker.start()
 
 
 def _sandbox_service(slot: PodSlot, namespace: str, shutdown: Callable[[], None]) -> Service:

@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 
-from .libc import last_errno, libc
+from ..libc import last_errno, libc
 
 _SYS_OPEN_TREE = 428  # the same number on every architecture (added since 5.1)
 _SYS_MOVE_MOUNT = 429

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 
-from .libc import last_errno, libc
+from ..libc import last_errno, libc
 
 TYPE_CHECKING = False  # not typing's: importing typing is 4 ms of `start`, which imports this
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from .libc import last_errno, libc
+from ..libc import last_errno, libc
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2

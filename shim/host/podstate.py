@@ -4,20 +4,17 @@ value: a change is a new value (dataclasses.replace), saved whole and atomically
 that is not this shape, or of a version this podvm does not know, is refused by name."""
 from __future__ import annotations
 
-import collections.abc
-import dataclasses
-import functools
 import json
 import os
 import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from podvm_core.atomic import write_json
 
-from cgroups import CgroupError, SandboxLayout
+from cgroups import SandboxLayout
 
+from ..dataclassjson import ShapeError, dataclass_from_json, to_json
 from ..network.model import PodNetwork
 from ..resources import SandboxPlan
 
@@ -104,7 +101,7 @@ class PodState:
         object.__setattr__(self, "rootfs", types.MappingProxyType(dict(self.rootfs)))
 
     def to_json(self) -> dict:
-        data = _to_json(self)
+        data = to_json(self)
         assert isinstance(data, dict)
         return {"version": data.pop("version"), **data}  # first, for a reader of the file
 
@@ -116,7 +113,10 @@ class PodState:
         if data["version"] != VERSION:
             raise PodStateError(f"{where}: pod state version {data['version']!r} is not the "
                                 f"one this podvm knows ({VERSION}): written by another podvm")
-        return dataclass_from_json(cls, data, where)
+        try:
+            return dataclass_from_json(cls, data, where)
+        except ShapeError as exc:
+            raise PodStateError(str(exc)) from None
 
     def save(self, path: str) -> None:
         """Replace the file whole: a crash leaves the old state or the new."""
@@ -136,72 +136,3 @@ class PodState:
 
 def state_path(state_dir: str) -> str:
     return os.path.join(state_dir, STATE_FILE)
-
-
-def _to_json(value: object) -> object:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return [_to_json(v) for v in value]
-    return value
-
-
-def dataclass_from_json(cls: type, data: object, where: str) -> Any:
-    """A dataclass from its JSON object, every field checked against its type hint."""
-    if not isinstance(data, dict):
-        raise PodStateError(f"{where}: expected an object, not {_kind(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise PodStateError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    hints = _hints(cls)
-    values = {}
-    for name, f in fields.items():
-        if name in data:
-            values[name] = _value(hints[name], data[name], f"{where}: {name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise PodStateError(f"{where}: missing field {name}")
-    try:
-        return cls(**values)
-    except (TypeError, ValueError, CgroupError) as exc:
-        raise PodStateError(f"{where}: {exc}") from None
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Once per class: get_type_hints compiles every annotation string anew (most of the
-    time a load takes, which the node monitor pays per sandbox per scrape)."""
-    return typing.get_type_hints(cls)
-
-
-def _value(hint: Any, value: object, where: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _value(hint, value, where)
-    if dataclasses.is_dataclass(hint):
-        return dataclass_from_json(hint, value, where)
-    if origin is tuple and isinstance(value, list):
-        return tuple(_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin in (collections.abc.Mapping, dict) and isinstance(value, dict):
-        return {_value(args[0], k, where): _value(args[1], v, f"{where}[{k}]")
-                for k, v in value.items()}
-    if hint is Any:
-        return value
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, str, bool) and type(value) is hint:
-        return value
-    raise PodStateError(f"{where}: expected {_name(hint)}, not {_kind(value)}")
-
-
-def _name(hint: Any) -> str:
-    return getattr(hint, "__name__", None) or str(hint)
-
-
-def _kind(value: object) -> str:
-    return f"{type(value).__name__} {json.dumps(value)[:60]}" if value is not None else "null"

@@ -26,8 +26,8 @@ import logging
 import os
 import stat
 
+from ..libc import last_errno, libc
 from . import beneath, mountns
-from .libc import last_errno, libc
 
 log = logging.getLogger("podvm.share")
 

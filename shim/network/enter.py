@@ -13,7 +13,7 @@ import errno
 import os
 from typing import Callable, Iterator, TypeVar
 
-from ..host.libc import last_errno, libc
+from ..libc import last_errno, libc
 from .errors import NamespaceGone, NetworkError
 
 CLONE_NEWNET = 0x40000000

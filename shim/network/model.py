@@ -3,7 +3,7 @@ the pod, sent to the guest agent, which sets up the guest's interfaces to match)
 taps QEMU gets for it.
 
 Frozen dataclasses of str, int, None and tuples only, so that `dataclasses.asdict()` is
-their JSON and shim/host/podstate.py's reader rebuilds them field by field."""
+their JSON and shim/dataclassjson.py rebuilds them field by field."""
 from __future__ import annotations
 
 import ipaddress

@@ -1,11 +1,12 @@
 """The daemon's side of shim/network/worker.py: attach and detach a pod's network in a
 short-lived process, so that the daemon itself never loads the netlink library. Loads
-only the model and the errors.
+only the model, the errors and shim/dataclassjson.py (the standard library alone): the
+daemon starts a worker before it loads anything of the pod's model.
 
-A Worker is started before its request is known (a pod's Create starts one, its boot
-uses it): the worker's Python start and pyroute2's import, 0.1 s, overlap the plan and
-the cgroup instead of adding to them. It serves one request and exits; closed unused, it
-exits having done nothing."""
+A Worker is started before its request is known (the pod's WorkerAhead starts one,
+shim/network/ahead.py, and its boot uses it): the worker's Python start and pyroute2's
+import, 0.1 s, overlap the plan and the cgroup instead of adding to them. It serves one
+request and exits; closed unused, it exits having done nothing."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import subprocess
 import sys
 from typing import Callable
 
+from ..dataclassjson import dataclass_from_json
 from .errors import NamespaceGone, NetworkError
 from .model import PodNetwork, TapNic
 
@@ -135,9 +137,6 @@ def _request(op: str, netns: str, taps: list[str] | tuple[str, ...]) -> bytes:
 
 def _network(data: object) -> PodNetwork:
     """ValueError when `data` is not a PodNetwork's JSON."""
-    # Here, not at the top: the daemon starts a worker before it loads the pod's model.
-    from ..host.podstate import dataclass_from_json
-
     return dataclass_from_json(PodNetwork, data, "the network worker's answer")
 
 

@@ -25,7 +25,7 @@ import cgroups
 from .. import config
 from ..host import paths
 from ..host.capacity import capacity
-from ..network import remote
+from ..network.ahead import WorkerAhead
 from ..resources import SandboxPlan
 from ..resources.model import from_linux_resources
 from ..resources.planner import PodPlanner, planned
@@ -61,11 +61,15 @@ class PodListener(Protocol):
 
 
 class Pod:
-    def __init__(self, request: PodRequest, cfg: config.Config, planner: PodPlanner) -> None:
+    def __init__(self, request: PodRequest, cfg: config.Config, planner: PodPlanner,
+                 network_worker: WorkerAhead | None = None) -> None:
         """Use Pod.create: it checks the request and plans first."""
         self.namespace = request.namespace
         self.id = request.id
         self.netns = request.netns
+        self.network_worker = network_worker or WorkerAhead()
+        """The worker that attaches the pod's network as it boots: its PodSlot's, which
+        may have started it ahead (shim/network/ahead.py), else one of the pod's own."""
         self.cgroups_path = request.cgroups_path
         self.pod_name = (request.pod_name, request.pod_namespace)
         self.config = cfg
@@ -87,10 +91,12 @@ class Pod:
         self._background: set[asyncio.Task] = set()
 
     @classmethod
-    def create(cls, request: PodRequest, cfg: config.Config) -> Pod:
+    def create(cls, request: PodRequest, cfg: config.Config,
+               network_worker: WorkerAhead | None = None) -> Pod:
         """The pod either API asked for: the host's namespaces and VM-wide sysctls
         refused, its /etc files read, planned (refused if it cannot be), its files
-        written; nothing boots yet."""
+        written; nothing boots yet. `network_worker`: its PodSlot's (see
+        Pod.network_worker)."""
         refuse_host_namespaces(request.host_namespaces)
         check_pod_sysctls(request.sysctls, cfg)
         files = None
@@ -101,7 +107,7 @@ class Pod:
                 raise PodFilesError(f"the pod has no DNS configuration and the host's cannot "
                                     f"be read: {exc}") from None
         planner = planned(lambda: request.planner(cfg, capacity()))
-        pod = cls(request, cfg, planner)
+        pod = cls(request, cfg, planner, network_worker)
         if files is not None:
             try:
                 pod.files = files.write(paths.state_dir(request.namespace, request.id))
@@ -129,35 +135,33 @@ class Pod:
 
     # --- life -------------------------------------------------------------------------
 
-    async def boot(self, network_worker: remote.Worker | None = None) -> None:
+    async def boot(self) -> None:
         """Reserve the pod's CPUs (exclusive mode), plan, boot the VM, start watching it.
-        Nothing is left behind when it fails. `network_worker`: one started ahead for
-        this boot (shim/pod/slot.py), closed after it; a pod with a network that gets
-        none starts its own."""
-        worker = network_worker
-        if worker is None and self.netns:
-            worker = await remote.Worker.start()
+        Nothing is left behind when it fails. The network worker, when no one started it
+        ahead, starts first, and ends with the boot."""
+        if self.netns:
+            await self.network_worker.start()
         try:
-            await self._boot(worker)
+            await self._boot()
         finally:
-            if worker is not None:
-                await worker.close()
+            await self.network_worker.close()
 
-    async def _boot(self, worker: remote.Worker | None) -> None:
+    async def _boot(self) -> None:
         planner = self.resizer.planner
         self.resizer.reserve_cpus()
         try:
             planner.boot = planned(planner.plan)
             try:
                 machine = Machine(self.namespace, self.id, self.config, planner.boot,
-                                  self.cgroups_path, self.netns, self.pod_name)
+                                  self.cgroups_path, self.netns, self.pod_name,
+                                  self.network_worker)
             except cgroups.CgroupError as exc:
                 raise StepFailed(f"cgroup of sandbox {self.id}", exc) from None
             for line in machine.plan.explanation:
                 log.info("sandbox %s plan: %s", self.id, line)
             started = time.monotonic()
             try:
-                await machine.boot(worker)
+                await machine.boot()
             except cgroups.CgroupError as exc:
                 raise StepFailed("sandbox cgroup", exc) from None
         except BaseException:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from ..config import Config
 from ..host import mounts, paths
@@ -38,6 +38,7 @@ from .template.restore import Restorer
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
 
+    from ..network.ahead import WorkerAhead
     from ..network.portforward import PortForwarder
     from ..resources import PlanDelta
 
@@ -48,14 +49,17 @@ T = TypeVar("T")
 class Machine:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "",
-                 pod_name: tuple[str, str] = ("", "")) -> None:
+                 pod_name: tuple[str, str] = ("", ""),
+                 network_worker: WorkerAhead | None = None) -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
         the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
-        network namespace, whose interfaces become the VM's ("": the VM has none).
+        network namespace, whose interfaces become the VM's ("": the VM has none), and
+        `network_worker` the pod's worker that attaches them (the Pod's to close).
         `pod_name`: Kubernetes' name and namespace of the pod, recorded for the node's
         metrics."""
         self.id = sandbox_id
         self.netns = netns
+        self._network_worker = network_worker
         self.config = config
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
                                  shim_in_sandbox=config.runtime.sandbox_cgroup_only,
@@ -135,9 +139,8 @@ class Machine:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.state.save(state_path(self.dir))
 
-    async def boot(self, network_worker: remote.Worker | None = None) -> None:
-        """`network_worker`: the one that bridges the pod's namespace (the caller's to
-        close); None for a pod without one. Nothing is left behind when it fails."""
+    async def boot(self) -> None:
+        """Nothing is left behind when it fails."""
         spec = self._spec()
         vm = vmm.create(spec)
         self.record(qmp_socket=vm.control_socket, netns=self.netns)
@@ -146,9 +149,7 @@ class Machine:
         self.vm = vm
         try:
             if self.netns:
-                assert network_worker is not None
-                nics = await self._attach_network(
-                    network_worker, lambda network: self.restorer.copy_ahead(spec, network))
+                nics = await self._attach_network(spec)
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
             started = time.monotonic()
             try:
@@ -251,11 +252,13 @@ class Machine:
         await self.resizer.pin(self.vm)
         self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
 
-    async def _attach_network(self, worker: remote.Worker,
-                              found: Callable[[PodNetwork], None]) -> tuple[TapNic, ...]:
-        """The pod's interfaces bridged to taps, recorded; the taps' descriptors are the
-        caller's to hand to QEMU and close. `found`: given the interfaces first."""
-        network, nics = await worker.attach(self.netns, found)
+    async def _attach_network(self, spec: VMSpec) -> tuple[TapNic, ...]:
+        """The pod's interfaces bridged to taps by its network worker, recorded; the taps'
+        descriptors are the caller's to hand to QEMU and close. The interfaces, named
+        first, pick the template for `spec` and begin its copy meanwhile."""
+        assert self._network_worker is not None
+        network, nics = await self._network_worker.attach(
+            self.netns, lambda network: self.restorer.copy_ahead(spec, network))
         self.record(network=network, taps=tuple(n.tap for n in nics))
         for itf in network.interfaces:
             log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,

@@ -48,7 +48,7 @@ from typing import Callable
 
 import psutil
 
-from ..host.libc import last_errno, libc
+from ..libc import last_errno, libc
 from . import vmmlog
 from .hypervisor import HypervisorError, VMSpec
 

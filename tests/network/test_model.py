@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from shim.dataclassjson import dataclass_from_json
 from shim.network.model import Address, Interface, PodNetwork, Route, TapNic
-from shim.host.podstate import dataclass_from_json
 
 
 def test_qemu_arguments() -> None:

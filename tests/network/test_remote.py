@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from shim.network import remote
+from shim.network.ahead import WorkerAhead
 from shim.network.errors import NamespaceGone, NetworkError
 from shim.network.read import read_network
 from tests.network.conftest import POD_MAC, Namespace
@@ -108,6 +109,41 @@ async def test_a_worker_never_used_leaves_nothing(pod: Namespace) -> None:
     assert not os.path.exists(f"/proc/{pid}")
     assert_nothing_of_podvm(pod)
     await worker.close()  # twice: nothing to do
+
+
+async def test_the_pods_worker_is_started_ahead_once_and_attaches(pod: Namespace) -> None:
+    """The daemon (or CreateSandbox) and the boot both start it: one worker serves, the
+    other ends having done nothing; close() ends the one that served."""
+    ahead = WorkerAhead()
+    await asyncio.gather(ahead.start(), ahead.start())
+    worker = ahead._worker
+    await ahead.start()  # started: nothing to do
+    assert ahead._worker is worker
+    _, nics = await ahead.attach(pod.path)
+    for nic in nics:
+        nic.close()
+    await ahead.close()
+    assert worker._proc.returncode == 0
+    await ahead.close()  # twice: nothing to do
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+
+
+async def test_the_pods_worker_closed_unused_leaves_nothing(pod: Namespace) -> None:
+    """The pod stopped before it booted, or the daemon exited: the worker ends, and a
+    boot after that starts another."""
+    ahead = WorkerAhead()
+    await ahead.start()
+    first = ahead._worker
+    await ahead.close()
+    assert first._proc.returncode == 0 and ahead._worker is None
+    _, nics = await ahead.attach(pod.path)  # none started ahead: started now
+    for nic in nics:
+        nic.close()
+    assert ahead._worker is not first
+    await ahead.close()
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
 
 
 def test_the_daemon_side_never_loads_pyroute2() -> None:

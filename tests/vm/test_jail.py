@@ -19,7 +19,7 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, VMSpec
 from shim.vm.qemu import jail, pidfilter
 from shim.vm.qemu.driver import QemuVM
-from shim.host.libc import libc
+from shim.libc import libc
 from shim.host.mountns import in_namespace
 from tests.conftest import require_root
 from tests.guestprobe import DIR, INTO_ROOT

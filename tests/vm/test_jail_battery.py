@@ -28,7 +28,7 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from shim.host.libc import libc
+from shim.libc import libc
 from shim.vm.agent import Agent
 from shim.vm.hypervisor import VMSpec
 from shim.vm.qemu import jail, pidfilter

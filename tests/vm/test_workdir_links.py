@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from shim.host.cleanup import remove_tree
-from shim.host.libc import libc
+from shim.libc import libc
 from shim.host.mountns import in_namespace
 from shim.vm import vmmlog
 from shim.vm.agent import Agent

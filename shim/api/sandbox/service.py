@@ -24,8 +24,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 # pod's machinery is imported here at the top: a sandbox is about to need it.
 from ..options import load_config, saved_options
 from ...pod.pod import Pod
-from ...pod.slot import VM_GONE_STATUS, PodSlot
-from ...network import remote
+from ...pod.podslot import VM_GONE_STATUS, PodSlot
 from ...resources.planner import parse_linux_resources, pod_cgroup_memory_mib, pod_resources
 from .request import pod_request
 
@@ -109,12 +108,10 @@ class SandboxService:
         pod_config = _pod_config(req.options) or cri.PodSandboxConfig()
         pod = Pod.create(pod_request(self.namespace, req.sandbox_id, pod_config,
                                      {**pod_config.annotations, **req.annotations},
-                                     req.netns_path), cfg)
+                                     req.netns_path), cfg, self.slot.network_worker)
         if req.netns_path:
             # Started now, it is ready when StartSandbox boots the pod.
-            worker = await remote.Worker.start()
-            if not self.slot.keep_network_worker(worker):
-                await worker.close()
+            await self.slot.network_worker.start()
         pod.listen(self)
         self.slot.take(pod)
         self.slot.sandbox_api_owner = req.sandbox_id
@@ -130,7 +127,7 @@ class SandboxService:
         async with self._transition:
             pod = self._check(req.sandbox_id, Phase.CREATED)
             # A failed boot leaves nothing: Start may be tried again.
-            await pod.boot(self.slot.pop_network_worker())
+            await pod.boot()
             try:
                 holder = await pod.hold_namespaces()
             except BaseException:

@@ -17,7 +17,7 @@ from ... import __version__
 from ..events import Publisher
 
 if TYPE_CHECKING:
-    from ...pod.slot import PodSlot
+    from ...pod.podslot import PodSlot
     from .service import TaskService
 
 

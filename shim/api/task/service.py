@@ -25,7 +25,7 @@ from ..events import Publisher
 from ..options import load_config
 from ...host.mounts import Mount
 from ...pod.errors import NotRunning, PodError
-from ...pod.slot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
+from ...pod.podslot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
 from ...vm.stdio import Stdio
 from .bundle import read_bundle
 from .reporting import Reporter
@@ -135,12 +135,13 @@ class TaskService:
         from ...pod.pod import Pod
         from .request import pod_request  # likewise
 
-        pod = Pod.create(pod_request(self.namespace, req.id, spec), cfg)
+        # With the slot's network worker, which the daemon started for this pod when it
+        # came up (the pod's boot starts it where the daemon has not).
+        pod = Pod.create(pod_request(self.namespace, req.id, spec), cfg,
+                         self.slot.network_worker)
         self.slot.take(pod)
         try:
-            # The network worker the daemon started for this pod when it came up (the
-            # pod's boot starts one where the daemon has not).
-            await pod.boot(self.slot.pop_network_worker())
+            await pod.boot()
         except BaseException:
             self.slot.pod = None
             raise

@@ -15,8 +15,8 @@ from typing import Callable
 import psutil
 from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
 
-from ...host.libc import libc, no_huge_pages
 from ...host.processes import end_child, ended, peek_exit
+from ...libc import libc, no_huge_pages
 from .. import scratchdisk, workdir
 from ..hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
                           ThreadRole, VM, VMExited, VMSpec)

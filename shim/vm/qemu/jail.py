@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 
 from ...host import beneath
-from ...host.libc import last_errno, libc
+from ...libc import last_errno, libc
 from ..hypervisor import VMSpec
 from . import pidfilter
 from .command import install_prefix

@@ -23,7 +23,7 @@ import ctypes
 import errno
 import os
 
-from ...host.libc import last_errno, libc
+from ...libc import last_errno, libc
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 AUDIT_ARCH_X86_64 = 0xC000003E
