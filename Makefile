@@ -19,7 +19,7 @@ TEST_DEBS := $(RUNTIME_DEBS) busybox-static containernetworking-plugins iproute2
 # skopeo: the images' archives read by a registry client (tests/images).
 TEST_DEBS += skopeo
 # libsqlite3-dev: its static library, for the SQLite probe the busybox image runs
-# (tests/e2e/sqliteprobe.c).
+# (testbed/sqliteprobe.c).
 TEST_DEBS += libsqlite3-dev
 
 STAMP := $(VENV)/.podvm-installed

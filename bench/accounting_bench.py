@@ -18,9 +18,9 @@ import uuid
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
-from tests.e2e.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
-                                workload_bundle)
-from tests.e2e.test_host_cgroup import charged, sandbox_state  # noqa: E402
+from testbed.hostcgroup import charged, sandbox_state  # noqa: E402
+from testbed.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
+                              workload_bundle)
 
 BUSY = ("while :; do :; done & "
         "while :; do dd if=/dev/zero of=/f bs=64k count=200 2>/dev/null; sync; done & "

@@ -29,11 +29,10 @@ import psutil
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from shim.config import HypervisorConfig  # noqa: E402
-from tests.e2e.containerd import Containerd, shims_of  # noqa: E402
-from tests.e2e.cri import Crictl, write_config  # noqa: E402
-from tests.e2e.test_crictl import pod_config  # noqa: E402
-from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
-from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
+from testbed.containerd import Containerd, shims_of  # noqa: E402
+from testbed.cri import Crictl, write_config  # noqa: E402
+from testbed.pods import pod_config, pod_qemus  # noqa: E402
+from testbed.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 CGROUP_ROOT = "/sys/fs/cgroup"

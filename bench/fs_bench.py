@@ -1,12 +1,12 @@
 """File-operation speed in a pod, podvm against runc (issue 29), on one private
-containerd: tests/e2e/fsprobe.c's `speed` (create, stat and unlink N files of 4 KiB;
+containerd: testbed/fsprobe.c's `speed` (create, stat and unlink N files of 4 KiB;
 64 MiB written and fsynced, then read back) in a directory of the container's root fs,
 in a read-write hostPath volume and in an emptyDir (a directory shaped as kubelet makes
 one), and busybox tar extracting 10,000 small files into the root fs (and removing
 them), timed in the container with busybox adjtimex as bench/net_bench.py does (busybox
 date has no %N).
 
-And SQLite (tests/e2e/sqliteprobe.c, built static against Debian's libsqlite3.a, as the
+And SQLite (testbed/sqliteprobe.c, built static against Debian's libsqlite3.a, as the
 busybox image has no libc) in each place: N inserts each its own transaction
 (`synchronous=FULL`: a journal written, synced and removed, the database locked and
 synced, every time), then N in one transaction.
@@ -38,13 +38,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from net_bench import loadavg, machine, parse_loop, terminated, timed_loop  # noqa: E402
 from shim.config import SHARED_FS, HypervisorConfig, default_virtio_fs_daemon  # noqa: E402
-from tests.e2e.containerd import Containerd  # noqa: E402
-from tests.e2e.cri import Crictl, write_config  # noqa: E402
-from tests.e2e.netpods import pod_network_config  # noqa: E402
-from tests.e2e.test_crictl import container_config  # noqa: E402
-from tests.e2e.test_file_semantics import build_probe  # noqa: E402
-from tests.kubeletdirs import volume_dir  # noqa: E402
-from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.cri import Crictl, write_config  # noqa: E402
+from testbed.fsprobe import build_probe  # noqa: E402
+from testbed.kubeletdirs import volume_dir  # noqa: E402
+from testbed.netpods import pod_network_config  # noqa: E402
+from testbed.pods import container_config  # noqa: E402
+from testbed.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 RUNTIMES = ("runc", "podvm")
 ROOT_DIR = "/bench"  # in the container's root fs

@@ -43,12 +43,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.density import charged_bytes, process_cpu_s, sandbox_cgroups, status_kib  # noqa: E402
 from shim.config import HypervisorConfig  # noqa: E402
 from shim.vm.qemu.command import FAST_PARAMS  # noqa: E402
-import tests.e2e.containerd as harness  # noqa: E402
-from tests.e2e.containerd import Containerd  # noqa: E402
-from tests.e2e.cri import Crictl, write_config  # noqa: E402
-from tests.e2e.test_crictl import pod_config  # noqa: E402
-from tests.e2e.test_podvm_pods import pod_qemus  # noqa: E402
-from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
+import testbed.containerd as harness  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.cri import Crictl, write_config  # noqa: E402
+from testbed.pods import pod_config, pod_qemus  # noqa: E402
+from testbed.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 DEFENCES = {"KASLR": "nokaslr", "mitigations": "mitigations=off",

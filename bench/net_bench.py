@@ -11,7 +11,7 @@ timestamp pair is measured the same way and subtracted; what remains of a reques
 latency still includes starting wget (fork+exec, in a VM under TCG for podvm). The
 request rate is that of one client's back-to-back requests: 1 / mean latency.
 
-All traffic stays on the test bridge of this machine (tests/e2e/bridgenet.py: a private
+All traffic stays on the test bridge of this machine (testbed/bridgenet.py: a private
 subnet, no default route, no masquerade); every loop is bounded and every command has a
 deadline. Everything the bench makes (pods, containerd, bridge) is removed at the end, on
 failure and on Ctrl-C (SIGTERM too) by the harness.
@@ -31,12 +31,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.e2e.containerd import Containerd  # noqa: E402
-from tests.e2e.cri import Crictl, write_config  # noqa: E402
-from tests.e2e.netpods import (HTTP_PORT, fetch_from_pod, pod_ip,  # noqa: E402
-                               pod_network_config, url, wait_for_port)
-from tests.e2e.test_crictl import container_config  # noqa: E402
-from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.cri import Crictl, write_config  # noqa: E402
+from testbed.netpods import (HTTP_PORT, fetch_from_pod, pod_ip, pod_network_config,  # noqa: E402
+                             url, wait_for_port)
+from testbed.pods import container_config  # noqa: E402
+from testbed.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 PAGE = "podvm net_bench: a small page"

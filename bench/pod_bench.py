@@ -45,11 +45,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench.podcost import (RUNTIMES, CriPods, PodCost, comparison,  # noqa: E402
                            crictl_call, describe, legend, measure_idle, medians,
                            restored_from_template, runtimes)
-from tests.e2e.containerd import Containerd  # noqa: E402
-from tests.e2e.test_crictl import pod_config  # noqa: E402
 from shim.resources.annotations import KATA  # noqa: E402
 from shim.config import HypervisorConfig  # noqa: E402
-from tests.vmconfig import GUEST, warm_templates, write_test_config  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.pods import pod_config  # noqa: E402
+from testbed.vmconfig import GUEST, warm_templates, write_test_config  # noqa: E402
 
 MIB = 1 << 20
 

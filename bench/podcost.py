@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from podvm_core.pb.cri import api_pb2 as cri
-from tests.e2e.containerd import Containerd, shims_of
-from tests.e2e.criclient import CriClient
-from tests.e2e.test_crictl import container_config
+from testbed.containerd import Containerd, shims_of
+from testbed.criclient import CriClient
+from testbed.pods import container_config
 
 RUNTIMES = ("podvm", "runc")
 CALL_TIMEOUT = 120.0
@@ -178,11 +178,11 @@ def describe(cost: PodCost) -> str:
 
 
 def crictl_call(ctd: Containerd) -> float:
-    """Seconds of one `crictl version` (tests/e2e/crictl.py) against this containerd:
+    """Seconds of one `crictl version` (testbed/crictl.py) against this containerd:
     what a crictl process adds to the call it makes (it was in every runp figure here
     before the calls were made from this process)."""
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "tests.e2e.crictl", "--runtime-endpoint",
+    subprocess.run([sys.executable, "-m", "testbed.crictl", "--runtime-endpoint",
                     ctd.cri_endpoint, "version"], check=True, capture_output=True,
                    cwd=pathlib.Path(__file__).resolve().parents[1])
     return time.monotonic() - started
@@ -240,7 +240,7 @@ def legend(runtimes_run: tuple[str, ...], crictl_s: list[float]) -> list[str]:
              "to StartContainer's return (the container, a sleep in the busybox test "
              "image, running; CreateContainer and StartContainer called at once)"]
     if crictl_s:
-        lines.append(f"  a crictl process (tests/e2e/crictl.py) adds "
+        lines.append(f"  a crictl process (testbed/crictl.py) adds "
                      f"{statistics.median(crictl_s):.2f} s to a call (median of "
                      f"{len(crictl_s)} `crictl version`, one a round): it was in every "
                      "runp figure of this bench before the calls were made from here")

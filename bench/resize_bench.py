@@ -25,9 +25,9 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from shim.vm.agent import Agent  # noqa: E402
 from shim.vm.hypervisor import VMSpec  # noqa: E402
 from shim.vm.qemu.driver import QemuVM  # noqa: E402
-from tests.e2e.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
-                                workload_bundle)
-from tests.vmconfig import vm_config  # noqa: E402
+from testbed.taskshim import (Fifos, busybox_rootfs, call, create, task_shim,  # noqa: E402
+                              workload_bundle)
+from testbed.vmconfig import vm_config  # noqa: E402
 
 LINUX_RESOURCES = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources"
 

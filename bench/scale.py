@@ -45,11 +45,10 @@ from podvm_node.collect import Reader  # noqa: E402
 from shim.host import paths  # noqa: E402
 from shim.host.cleanup import processes_of  # noqa: E402
 from shim.host.podstate import PodState, PodStateError, state_path  # noqa: E402
-from tests.e2e.containerd import CRI_NAMESPACE, Containerd, shims_of  # noqa: E402
-from tests.e2e.criclient import CriClient  # noqa: E402
-from tests.e2e.test_crictl import container_config, pod_config  # noqa: E402
-from tests.e2e.test_podvm_pods import podvm_leftovers, qemus  # noqa: E402
-from tests.vmconfig import warm_templates, write_test_config  # noqa: E402
+from testbed.containerd import CRI_NAMESPACE, Containerd, shims_of  # noqa: E402
+from testbed.criclient import CriClient  # noqa: E402
+from testbed.pods import container_config, pod_config, podvm_leftovers, qemus  # noqa: E402
+from testbed.vmconfig import warm_templates, write_test_config  # noqa: E402
 
 SHAPES = "1:256,2:640,1:384"
 CALL_TIMEOUT = 600.0

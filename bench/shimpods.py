@@ -27,7 +27,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, TtrpcError, bind
 from shim.host.paths import STATE_ROOT
-from tests.e2e.taskshim import EventSink, busybox_rootfs, join_netns, spec
+from testbed.taskshim import EventSink, busybox_rootfs, join_netns, spec
 
 PREFIX = "podvm-bench-"
 TASK = "containerd.task.v2.Task"

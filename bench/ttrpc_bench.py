@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from podvm_core.pb.ttrpc_pb2 import Request, Response  # noqa: E402
 from podvm_core.ttrpc import Client, Code, TtrpcError, framing  # noqa: E402
-from tests.contract.shimproc import daemon_pid, make_bundle, run_shim  # noqa: E402
+from testbed.shimproc import daemon_pid, make_bundle, run_shim  # noqa: E402
 
 NS = "podvm-bench"
 TASK = "containerd.task.v2.Task"

@@ -37,7 +37,7 @@ import aiohttp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tests.podvm_webhook.harness import REALTIME_PRIORITY, Webhook, container, pod, review
+from testbed.webhook import REALTIME_PRIORITY, Webhook, container, pod, review
 
 CONFIG = """\
 [hypervisor.qemu]

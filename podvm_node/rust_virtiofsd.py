@@ -4,7 +4,7 @@ there (podvm_node/bundle.py); it is the pods' file server by default (shim/confi
 Debian 12's node included, whose own daemon is QEMU 7.2's C one: that one keeps a
 descriptor on its /proc through which a guest that takes it over reaches
 /proc/sys/kernel/core_pattern as root (tests/vm/test_virtiofsd_jail.py), and QEMU 8.0
-dropped it. The tests serve pods with the same file (tests/vmconfig.py).
+dropped it. The tests serve pods with the same file (testbed/vmconfig.py).
 
 It is Debian 13's package, fetched through an apt state of this build's own (DIR/apt: its
 lists and Debian's archive keyring, so that apt checks what it fetches; the host's apt

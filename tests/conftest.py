@@ -1,69 +1,16 @@
-"""Test-wide rules: in CI every prerequisite must be there (a missing one fails the test);
-on a developer's machine a missing one skips it, saying what to install."""
+"""Test-wide rules: in CI every prerequisite must be there (a missing one fails the test:
+testbed/prereqs.py); on a developer's machine a missing one skips it, saying what to
+install."""
 from __future__ import annotations
 
-import compileall
 import os
 import pathlib
-import shutil
 
 import pytest
 
-from shim.host.paths import STATE_ROOT
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-# What a shim daemon imports, all of it this tree's (its other imports were compiled by pip).
-SHIM_PACKAGES = ("shim", "cgroups", "podvm_core")
-
-
-def compile_shim() -> None:
-    """Bytecode for the shim's packages, as a node has it: pip and podvm-node's bundle
-    compile what they install, but this tree is installed in place, and where Python may
-    not write bytecode (PYTHONDONTWRITEBYTECODE) every shim process would compile its
-    ~120 modules afresh (0.1 s of a pod's start, in every `start` and `delete` too).
-    Quick when it is current: only a source newer than its bytecode is compiled."""
-    for package in SHIM_PACKAGES:
-        if not compileall.compile_dir(str(REPO_ROOT / package), quiet=1):
-            raise RuntimeError(f"{package}: some of its modules do not compile")
-
-
-def require(condition: bool, what: str) -> None:
-    if condition:
-        return
-    if IN_CI:
-        pytest.fail(f"prerequisite missing in CI: {what}")
-    pytest.skip(f"needs {what} (`make test` installs it)")
-
-
-def require_tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    require(path is not None, f"{name} (Debian package {package})")
-    assert path is not None
-    return path
-
-
-def require_root() -> None:
-    require(os.geteuid() == 0, "root (containerd, mounts and cgroups need it)")
-
-
-_run_namespaces: set[str] = set()
-
-
-def run_namespace(prefix: str) -> str:
-    """A containerd namespace for this run alone (another run on the machine has its
-    own /run/podvm/<namespace>); its directory there is removed when the run ends."""
-    namespace = f"{prefix}-{os.getpid()}"
-    _run_namespaces.add(namespace)
-    return namespace
-
-
-def _remove_run_namespaces() -> None:
-    for namespace in _run_namespaces:
-        try:
-            os.rmdir(os.path.join(STATE_ROOT, namespace))  # empty, or a test left state
-        except (FileNotFoundError, OSError):
-            pass
+from testbed.bytecode import compile_shim
+from testbed.namespaces import remove_run_namespaces
+from testbed.prereqs import IN_CI
 
 
 _skipped: list[str] = []
@@ -81,8 +28,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI a skipped test is a failed run, whatever route it took (pytest.skip,
     a skip mark, an expected failure): every test must run there."""
-    _remove_run_namespaces()
-    from tests.vmconfig import remove_templates
+    remove_run_namespaces()
+    from testbed.vmconfig import remove_templates
 
     remove_templates()  # the run's (the pods of its shapes made them)
     if IN_CI and _skipped:

@@ -12,8 +12,8 @@ import pytest
 
 from guest.cpio import CpioWriter
 from shim.vm.qemu.command import KERNEL_PARAMS, QBOOT
-from tests.conftest import require, require_tool
-from tests.vmconfig import guest_image, root_image
+from testbed.prereqs import require, require_tool
+from testbed.vmconfig import guest_image, root_image
 
 DIR = "podvm-probe"
 # The initramfs's own steps to the root image (guest/initramfs-init), then the script as

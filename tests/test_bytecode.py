@@ -1,5 +1,5 @@
 """The shim's modules run from bytecode in tests, benches and the demo, as on a node
-(tests/conftest.py compile_shim): a figure measured on a shim that compiles its sources
+(testbed/bytecode.py compile_shim): a figure measured on a shim that compiles its sources
 in every process is not a node's figure."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import os
 import struct
 
-from tests.conftest import REPO_ROOT, SHIM_PACKAGES, compile_shim
+from testbed.bytecode import REPO_ROOT, SHIM_PACKAGES, compile_shim
 
 
 def _stale(package: str) -> list[str]:

@@ -28,7 +28,7 @@ def test_a_skip_fails_the_run_under_ci_only(tmp_path) -> None:
 
 
 def test_skip_marks_and_missing_prerequisites_count_too(tmp_path) -> None:
-    body = ("from tests.conftest import require\n\n"
+    body = ("from testbed.prereqs import require\n\n"
             "@pytest.mark.skip(reason='later')\ndef test_marked():\n    pass\n\n"
             "def test_needs_a_tool():\n    require(False, 'a tool')\n")
     ci = run_pytest(tmp_path, body, ci=True)

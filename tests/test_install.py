@@ -4,7 +4,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

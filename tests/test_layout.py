@@ -1,6 +1,7 @@
 """The layout docs/design.md describes, checked against the code: which room may import
 which, how large a module and a function may grow, which imports wait for their first use
-(and why), who makes ttrpc errors, and that every path the code and docs cite exists.
+(and why), who makes ttrpc errors, that the benchmarks and the harness stand apart from the
+tests, and that every path the code and docs cite exists.
 
 Read from the source with `ast`: nothing of the project is imported or run here."""
 from __future__ import annotations
@@ -177,6 +178,10 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
 start-up time or memory an idle daemon, `start` or `delete` would otherwise pay. The code
 says why too, in a comment on the import or the line above it."""
 
+APART_FROM_TESTS = ("bench", "testbed")
+"""The benchmarks and the harness they share with the tests (testbed/): they import
+testbed, never a module of tests/ (nor name one to run)."""
+
 TTRPC_ERROR_MAKERS = (
     "shim/api/",  # the adapters: the only code that answers containerd
     "shim/vm/agent.py",  # a ttrpc client: the guest's answers are ttrpc errors already
@@ -312,6 +317,25 @@ def test_function_local_imports_are_the_listed_ones_with_their_reason():
     assert all(reason.strip() for reason in LAZY_IMPORTS.values())
 
 
+def _names_tests(target: str) -> bool:
+    return target == "tests" or target.startswith("tests.")
+
+
+def test_bench_and_testbed_import_nothing_from_tests():
+    wrong = []
+    for path in _sources(*APART_FROM_TESTS):
+        rel = path.relative_to(ROOT)
+        wrong += [f"{rel}:{line} imports {target}" for line, target, _ in _imports(path)
+                  if _names_tests(target)]
+        # a module run by name (`python -m tests.x`, importlib) is an import too
+        wrong += [f"{rel}:{node.lineno} names {node.value}"
+                  for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and re.fullmatch(r"tests(\.\w+)+", node.value)]
+    assert not wrong, "bench/ and testbed/ stand apart from tests/ (move what they need " \
+        "into testbed/):\n" + "\n".join(wrong)
+
+
 def test_only_the_api_makes_ttrpc_errors():
     wrong = []
     for path in _sources("shim", "podvmctl", "podvm_webhook"):
@@ -432,8 +456,9 @@ def test_no_class_inherits_a_part_of_another_file():
     assert all(reason.strip() for reason in SHARED_BASES.values())
 
 
-CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|podvm_node|guest|"
-                   r"tests|bench|docs|packaging|protos|images|\.ci)/[\w./-]*[\w/]|[\w-]+\.md)\b")
+CITED = re.compile(r"(?<![\w./~$-])((?:shim|podvm_core|cgroups|podvmctl|podvm_webhook|podvm_node|"
+                   r"guest|tests|testbed|bench|docs|packaging|protos|images|\.ci)/[\w./-]*[\w/]|"
+                   r"[\w-]+\.md)\b")
 
 
 def _cited(text: str) -> set[str]:
@@ -443,7 +468,7 @@ def _cited(text: str) -> set[str]:
 def _texts() -> list[tuple[str, str]]:
     """(where, text) of every docstring and comment of the code, and of the docs."""
     out = []
-    for path in _sources(*PRODUCTION, "tests", "bench"):
+    for path in _sources(*PRODUCTION, "tests", "testbed", "bench"):
         source = path.read_text()
         rel = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(source)):

@@ -20,7 +20,7 @@ import pytest
 
 from cgroups import CgroupManager, CgroupV1Manager, CgroupV2Manager, SandboxCgroup, SandboxLayout
 from cgroups.mounts import Hierarchy, host_hierarchies
-from tests.conftest import require, require_root, require_tool
+from testbed.prereqs import require, require_root, require_tool
 
 HELPER = os.path.join(os.path.dirname(__file__), "threads_helper.py")
 V1_SPLIT = {"cpu", "cpuacct", "cpuset"}

@@ -7,7 +7,7 @@ from cgroups import (CgroupV1Manager, CgroupV2Manager, NoCgroupHierarchy, choose
                      detect, manager_from_state)
 from cgroups.mounts import parse_mountinfo
 from cgroups.procs import UNIFIED, parse_proc_cgroup
-from tests.conftest import require
+from testbed.prereqs import require
 
 KNOWN = frozenset({"cpu", "cpuacct", "cpuset", "memory", "devices", "pids", "blkio",
                    "freezer", "hugetlb", "net_cls", "net_prio", "perf_event"})

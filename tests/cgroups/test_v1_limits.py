@@ -9,7 +9,7 @@ import pytest
 
 from cgroups import (QEMU_DEVICES, CgroupLimits, CgroupIOError, CgroupV1Manager,
                      ControllerUnavailable, InvalidLimits, SandboxCgroup)
-from tests.conftest import require
+from testbed.prereqs import require
 
 LIMITS = CgroupLimits(cpu_quota_us=50_000, cpu_period_us=50_000, cpu_shares=512,
                       memory_limit_bytes=256 << 20, pids_limit=64, devices=QEMU_DEVICES)

@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
+from testbed.vmconfig import ROOT
 from tests.guestprobe import run_probe
-from tests.vmconfig import ROOT
 
 HERE = pathlib.Path(__file__).parent
 SCRIPT = """export PATH=/usr/sbin:/usr/bin:/sbin:/bin

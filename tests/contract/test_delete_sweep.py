@@ -14,7 +14,7 @@ import time
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from shim.host import cleanup, paths
-from tests.contract.shimproc import NS, alive, daemon_pid, make_bundle, run_shim
+from testbed.shimproc import NS, alive, daemon_pid, make_bundle, run_shim
 
 
 def wait_gone(pid: int) -> None:

@@ -9,7 +9,7 @@ import subprocess
 from podvm_core.pb.containerd.types import introspection_pb2 as pb
 from shim import __version__
 from shim.contract.flags import parse
-from tests.contract.shimproc import SHIM
+from testbed.shimproc import SHIM
 
 
 def test_the_binary_answers_info_with_its_features() -> None:

@@ -17,10 +17,9 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.host import paths
-from tests.e2e.containerd import shims_of
-
-from tests.contract.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers,
-                                     run_shim)
+from testbed.containerd import shims_of
+from testbed.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers, run_shim,
+                              wait_gone)
 
 TASK = "containerd.task.v2.Task"
 
@@ -57,13 +56,6 @@ def open_files(pid: int) -> list[str]:
         except FileNotFoundError:
             pass
     return links
-
-
-async def wait_gone(pid: int, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    assert not alive(pid), f"shim daemon {pid} still running"
 
 
 def test_start_prints_only_the_address_and_detaches(started) -> None:

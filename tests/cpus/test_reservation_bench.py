@@ -16,7 +16,7 @@ import pytest
 
 from shim.cpus.allocator import choose
 from shim.cpus.cpuset import core_siblings, format_cpu_list
-from tests.conftest import require, require_root
+from testbed.prereqs import require, require_root
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

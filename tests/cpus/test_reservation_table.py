@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import require
+from testbed.prereqs import require
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from tests.conftest import require, require_root, require_tool
-from tests.vmconfig import GUEST, guest_image
+from testbed.prereqs import require, require_root, require_tool
+from testbed.vmconfig import GUEST, guest_image
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -4,10 +4,9 @@ import pathlib
 
 import pytest
 
-from tests.conftest import require_root, require_tool
-from tests.vmconfig import vm_config, warm
-
-from .containerd import Containerd
+from testbed.containerd import Containerd
+from testbed.prereqs import require_root, require_tool
+from testbed.vmconfig import vm_config, warm
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def containerd(tmp_path_factory):
 @pytest.fixture(scope="session")
 def image_cache(tmp_path_factory) -> pathlib.Path:
     """The CRI modules' images; first, the run's default-shape templates warmed, as the
-    node installer does (tests/vmconfig.py: the run's template store), on a pod network
+    node installer does (testbed/vmconfig.py: the run's template store), on a pod network
     and, for the Task API's pods, on none: their pods are restored, as on a node."""
     warm(vm_config().qemu, "1:256:1", "1:256:0")
     return tmp_path_factory.mktemp("images")

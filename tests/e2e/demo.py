@@ -3,7 +3,7 @@ HTTP to another pod.
 
 Starts a containerd of its own (own root, state and sockets; the system's containerd is
 not touched) with podvm registered from packaging/containerd/config-v2.toml and a private
-CNI bridge network (tests/e2e/bridgenet.py: no route off this machine), imports a
+CNI bridge network (testbed/bridgenet.py: no route off this machine), imports a
 locally built busybox image, runs a pod with two containers through the CRI (our
 crictl-compatible client, or the real crictl when $CRICTL names one): `web` runs busybox
 httpd. A second podvm pod fetches web's page from the first pod's IP. The demo shows the
@@ -22,15 +22,13 @@ import sys
 import tempfile
 import time
 
-from tests.vmconfig import write_test_config
-
-from . import bridgenet
-from .containerd import Containerd, mounts_under, shims_of
-from .cri import Crictl, write_config
-from .netpods import (fetch_from_pod, httpd_script, interface_addresses, pod_ip, url,
-                      wait_for_port)
-from .test_crictl import container_config, pod_config
-from .test_podvm_pods import pod_qemus
+from testbed import bridgenet
+from testbed.containerd import Containerd, mounts_under, shims_of
+from testbed.cri import Crictl, write_config
+from testbed.netpods import (fetch_from_pod, httpd_script, interface_addresses, pod_ip, url,
+                             wait_for_port)
+from testbed.pods import container_config, pod_config, pod_qemus
+from testbed.vmconfig import write_test_config
 
 
 PAGE = "hello from the web container of the demo pod, served by busybox httpd in its VM"

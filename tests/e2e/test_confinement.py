@@ -24,14 +24,14 @@ from shim.host import paths
 from podvmctl import status
 from shim.vm.qemu import jail
 
-from tests.conftest import require_tool
-from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
+from testbed.containerd import CRI_NAMESPACE, mount_namespace
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_file_servers, pod_qemus
+from testbed.prereqs import require_tool
+from testbed.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 
-from .containerd import CRI_NAMESPACE, mount_namespace
-from .cri import Crictl, write_config
-from .test_crictl import container_config, wait_for
-from .test_podvm_pods import (cri_containerd, pod_file_servers, pod_qemus, remove_pod,
-                             runp, start_container)
+from .test_crictl import wait_for
+from .test_podvm_pods import cri_containerd, remove_pod, runp, start_container
 
 def file_server(pod_id: str) -> int:
     """The virtiofsd process that serves the pod's files: the child that its virtiofsd

@@ -17,11 +17,11 @@ import subprocess
 import pytest
 
 from shim.host import mounts, paths
-from tests.conftest import require_root
+from testbed.containerd import mounts_under, shims_of
+from testbed.cri import CrictlFailed, write_config
+from testbed.pods import container_config, pod_config
+from testbed.prereqs import require_root
 
-from .containerd import mounts_under, shims_of
-from .cri import CrictlFailed, write_config
-from .test_crictl import container_config, pod_config
 from .test_podvm_pods import (configs, crictl, ctd, nothing_of_failed_pods_left,  # noqa: F401
                               remove_pod, running, runp_refused)
 

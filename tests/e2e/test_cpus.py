@@ -15,11 +15,12 @@ from shim.host import paths
 from podvmctl import status
 from shim.cpus.allocator import Allocator, start_time
 from shim.cpus.cpuset import format_cpu_list
-from tests.conftest import require
+from testbed.containerd import CRI_NAMESPACE, Containerd
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_config
+from testbed.prereqs import require
 
-from .containerd import CRI_NAMESPACE, Containerd
-from .cri import Crictl, write_config
-from .test_crictl import container_config, pod_config, wait_for
+from .test_crictl import wait_for
 from .test_pod_resources import remove_pod, start_containerd
 
 ONLINE = sorted(Allocator().pool)

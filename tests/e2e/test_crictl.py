@@ -18,12 +18,11 @@ import tomllib
 import pytest
 
 from shim.host import paths
-from tests.conftest import require_root, require_tool
-
-from .containerd import (CRI_NAMESPACE, PODVM_SNIPPET, REPO_ROOT, Containerd, cgroup_dirs,
-                         mounts_under, podvm_runtime_section, shims_of)
-from .cri import Crictl, write_config
-from .netpods import pod_network_config
+from testbed.containerd import (CRI_NAMESPACE, PODVM_SNIPPET, REPO_ROOT, Containerd, cgroup_dirs,
+                                mounts_under, podvm_runtime_section, shims_of)
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_config
+from testbed.prereqs import require_root, require_tool
 
 # Our podvm configuration for these tests: a QEMU that cannot exist, so the shim's answer
 # names a path only this file has (proof that ConfigPath travelled from containerd's
@@ -64,19 +63,6 @@ def crictl(ctd) -> Crictl:
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("cri-configs")
-
-
-def pod_config(ctd: Containerd, configs: pathlib.Path, name: str, **extra) -> dict:
-    """A pod on the POD network (the test containerd's CNI bridge): podvm refuses the
-    host's network, which a VM cannot have."""
-    return pod_network_config(ctd, configs, name, **extra)
-
-
-def container_config(name: str, script: str) -> dict:
-    from .image import IMAGE_NAME
-
-    return {"metadata": {"name": name}, "image": {"image": IMAGE_NAME},
-            "command": ["sh", "-c", script], "log_path": f"{name}.log"}
 
 
 def run_container(crictl: Crictl, configs: pathlib.Path, pod_id: str, pod_file: pathlib.Path,

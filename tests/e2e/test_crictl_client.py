@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from . import crictl as cli
-from .containerd import REPO_ROOT
-from .criclient import grpc_target
+from testbed import crictl as cli
+from testbed.containerd import REPO_ROOT
+from testbed.criclient import grpc_target
 
 
 def test_read_config_takes_crictl_yaml(tmp_path) -> None:

@@ -7,11 +7,11 @@ import os
 import pytest
 
 from shim.host import paths
-from tests.vmconfig import GUEST, write_test_config
+from testbed.containerd import mounts_under, podvm_shims
+from testbed.pods import pod_qemus
+from testbed.vmconfig import GUEST, write_test_config
 
-from .containerd import mounts_under, podvm_shims
 from .test_crictl import wait_for
-from .test_podvm_pods import pod_qemus
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """File semantics ordinary programs rely on (issue 29), podvm held to runc through
-containerd's CRI: tests/e2e/fsprobe.c runs every case, and SQLite itself
-(tests/e2e/sqliteprobe.c: inserts, a writer's lock seen by another process) runs, in a
+containerd's CRI: testbed/fsprobe.c runs every case, and SQLite itself
+(testbed/sqliteprobe.c: inserts, a writer's lock seen by another process) runs, in a
 directory of the container's root fs, in a read-write hostPath volume and in an emptyDir
 (a directory shaped as kubelet makes one: on podvm the guest's own,
 shim/host/emptydir.py), in a runc pod (the reference: every case must pass there) and
@@ -18,18 +18,16 @@ import tempfile
 import pytest
 
 from shim.config import HypervisorConfig
-from tests.conftest import require, require_tool
-from tests.kubeletdirs import binds, kubelet_root, subpath_target, volume_dir  # noqa: F401
-from tests.vmconfig import rust_virtiofsd
+from testbed.cri import Crictl, write_config
+from testbed.fsprobe import build_probe
+from testbed.kubeletdirs import binds, kubelet_root, subpath_target, volume_dir  # noqa: F401
+from testbed.pods import container_config, pod_config, pod_qemus
+from testbed.prereqs import require_tool
+from testbed.vmconfig import rust_virtiofsd
 
-from .cri import Crictl, write_config
-from .test_crictl import container_config, pod_config
-from .test_podvm_pods import (configs, cri_containerd, crictl, ctd, pod_qemus,  # noqa: F401
-                             remove_pod, scratch_disk)
+from .test_podvm_pods import (configs, cri_containerd, crictl, ctd, remove_pod,  # noqa: F401
+                              scratch_disk)
 
-PROBE_SOURCE = pathlib.Path(__file__).with_name("fsprobe.c")
-SQLITE_SOURCE = pathlib.Path(__file__).with_name("sqliteprobe.c")
-SQLITE_LIBRARY = "/usr/lib/x86_64-linux-gnu/libsqlite3.a"
 SQLITE_CASE = "sqlite"  # SQLite itself, beside fsprobe's cases: inserts, and its locks
 ROOT_DIR = "/probe-root-dir"  # made with mkdir in the container's root fs, by run_probe
 VOLUME = "/vol"
@@ -47,21 +45,6 @@ KNOWN_GAPS = {
                   "QEMU 7.2's has none, the Rust one's 1.13 answers ENOSYS); glibc's "
                   "tmpfile() falls back"),
 }
-
-
-def build_probe(directory: pathlib.Path) -> pathlib.Path:
-    """fsprobe and sqliteprobe in `directory`, static: the busybox image has no libc
-    (sqliteprobe links Debian's libsqlite3.a)."""
-    gcc = require_tool("gcc", "gcc")
-    require(pathlib.Path(SQLITE_LIBRARY).is_file(),
-            f"{SQLITE_LIBRARY} (Debian package libsqlite3-dev)")
-    for source, name, libraries in ((PROBE_SOURCE, "fsprobe", []),
-                                    (SQLITE_SOURCE, "sqliteprobe", ["-lsqlite3", "-lm"])):
-        built = subprocess.run([gcc, "-static", "-O2", "-o", str(directory / name),
-                                str(source), *libraries],
-                               capture_output=True, text=True, timeout=180)
-        assert built.returncode == 0, f"gcc -static {source}:\n{built.stderr}"
-    return directory / "fsprobe"
 
 
 def run_sqlite(crictl, cid: str, path: str, rows: int) -> str:  # noqa: F811

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from podvmctl import status
-from tests.conftest import require_root
+from testbed.containerd import CRI_NAMESPACE
+from testbed.prereqs import require_root
 
-from .containerd import CRI_NAMESPACE
 from .test_pod_resources import guest_size, remove_pod, resources, run_pod, start_containerd
 
 MIB = 1 << 20

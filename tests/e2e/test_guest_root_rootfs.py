@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .cri import write_config
-from .test_crictl import pod_config, wait_for
+from testbed.cri import write_config
+from testbed.pods import pod_config, podvm_leftovers
+
+from .test_crictl import wait_for
 from .test_hostile_guest import _wait_file, escaping_container
-from .test_podvm_pods import (configs, crictl, ctd, podvm_leftovers,  # noqa: F401
-                              remove_pod)
+from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
 
 # Run by the guest kernel as root in the guest's first namespaces (the core-dump helper),
 # as /proc/<pid>/root/tools/escape.sh; the applets from the container's busybox.

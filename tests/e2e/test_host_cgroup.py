@@ -16,7 +16,8 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 import cgroups
 
-from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+from testbed.hostcgroup import charged, sandbox_state
+from testbed.taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -41,10 +42,6 @@ async def pod(tmp_path, rootfs):
         pod_dir = pathlib.Path(h["mountpoint"]) / parent.strip("/")
         if pod_dir.is_dir():
             pod_dir.rmdir()  # made for the test (kubelet's, in real life)
-
-
-def sandbox_state() -> dict:
-    return json.loads(pathlib.Path(f"/run/podvm/{NS}/sb/sandbox.json").read_text())
 
 
 def threads(pid: int) -> dict[int, tuple[str, dict[str, str]]]:
@@ -141,25 +138,6 @@ async def test_busy_pod_is_charged_to_its_sandbox_cgroup(pod) -> None:
     await call(pod, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)
 
 
-def charged(qemu_pid: int, sandbox_cgroup: str) -> dict[str, float]:
-    """QEMU's own figures first, the cgroup's after: the cgroup's only grow meanwhile."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    fields = pathlib.Path(f"/proc/{qemu_pid}/stat").read_text().rsplit(")", 1)[1].split()
-    qemu_cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime, all threads
-    status = dict(line.split(":", 1) for line in
-                  pathlib.Path(f"/proc/{qemu_pid}/status").read_text().splitlines())
-    rss = int(status["VmRSS"].split()[0]) / 1024
-    anon = (int(status["RssAnon"].split()[0]) + int(status["RssShmem"].split()[0])) / 1024
-    base = "/sys/fs/cgroup"
-    usage = int(pathlib.Path(f"{base}/cpuacct{sandbox_cgroup}/cpuacct.usage").read_text())
-    memory = int(pathlib.Path(f"{base}/memory{sandbox_cgroup}/memory.usage_in_bytes")
-                 .read_text())
-    return {"qemu_cpu_s": round(qemu_cpu, 2), "cgroup_cpu_s": round(usage / 1e9, 2),
-            "cpu_ratio": round(usage / 1e9 / qemu_cpu, 4) if qemu_cpu else 0.0,
-            "qemu_rss_mib": round(rss, 1), "qemu_anon_mib": round(anon, 1),
-            "cgroup_memory_mib": round(memory / (1 << 20), 1)}
-
-
 def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
     out = subprocess.run([str(ROOT / ".venv/bin/podvmctl"), "status", "sb", "--json"],
                          capture_output=True, text=True, check=True).stdout
@@ -182,7 +160,7 @@ def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
 async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs) -> None:
     """`delete` (containerd runs it when a shim is gone) finds QEMU, mounts and the
     sandbox cgroup from sandbox.json alone."""
-    from tests.contract.shimproc import daemon_pid, run_shim
+    from testbed.shimproc import daemon_pid, run_shim
 
     parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
     shim = task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb")

@@ -29,13 +29,13 @@ import time
 
 from shim.host import paths
 from shim.vm import scratchdisk
-from tests.vmconfig import vm_config
+from testbed.containerd import CRI_NAMESPACE, shims_of
+from testbed.cri import write_config
+from testbed.pods import container_config, pod_config, pod_qemus, podvm_leftovers
+from testbed.vmconfig import vm_config
 
-from .containerd import CRI_NAMESPACE, shims_of
-from .cri import write_config
-from .test_crictl import container_config, pod_config, wait_for
-from .test_podvm_pods import (configs, crictl, ctd, pod_qemus,  # noqa: F401
-                              podvm_leftovers, remove_pod, scratch_disk)
+from .test_crictl import wait_for
+from .test_podvm_pods import configs, crictl, ctd, remove_pod, scratch_disk  # noqa: F401
 
 DISK_MARK = b"guest-root-was-here"
 POD_FILES = ("hosts", "hostname", "resolv.conf")
@@ -136,7 +136,7 @@ def test_a_guest_root_attacking_the_share_gets_nothing(ctd, crictl, configs,
     (tools / "escape.sh").write_text(ESCAPE)
     (tools / "escape.sh").chmod(0o755)
     (tools / "mark").write_bytes(DISK_MARK + b"\n")
-    q = vm_config().qemu  # the pods' configuration (tests/vmconfig.py)
+    q = vm_config().qemu  # the pods' configuration (testbed/vmconfig.py)
     (tools / "args").write_text(f"{canary} {ATTACK_SECONDS} {q.scratch_disk_mib}\n")
     blank = scratchdisk.blank(q)
     blank_before = _digest(blank)

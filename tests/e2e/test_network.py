@@ -2,7 +2,7 @@
 serves HTTP to another pod and to the host, `inspectp` reports the address the pod's eth0
 has, and removed pods leave nothing on the bridge, in host-local or in CNI's cache.
 
-The test containerd's network (tests/e2e/bridgenet.py): bridge + host-local on a private
+The test containerd's network (testbed/bridgenet.py): bridge + host-local on a private
 /24, no default route, no masquerade; all traffic stays between its bridge and the pods.
 Every test runs per runtime handler: runc proves the harness, podvm is the VM pod whose
 guest eth0 is the pod's; and a runc pod and a podvm pod reach each other both ways.
@@ -22,16 +22,15 @@ import tomllib
 
 import pytest
 
-from tests.conftest import require, require_root, require_tool
-from tests.vmconfig import GUEST, guest_image, write_test_config
-
-from . import bridgenet
-from .containerd import Containerd, shims_of
-from .cri import Crictl, write_config
-from .netpods import (fetch_from_host, fetch_from_pod, held_netns, httpd_script,
-                      interface_addresses, netns_links, pod_ip, pod_network_config, routes,
-                      url, wait_for_port)
-from .test_crictl import container_config
+from testbed import bridgenet
+from testbed.containerd import Containerd, shims_of
+from testbed.cri import Crictl, write_config
+from testbed.netpods import (fetch_from_host, fetch_from_pod, held_netns, httpd_script,
+                             interface_addresses, netns_links, pod_ip, pod_network_config, routes,
+                             url, wait_for_port)
+from testbed.pods import container_config
+from testbed.prereqs import require, require_root, require_tool
+from testbed.vmconfig import GUEST, guest_image, write_test_config
 
 RUNTIMES = ["runc", "podvm"]
 PAGE = "hello from pod A over the bridge"

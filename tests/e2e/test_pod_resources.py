@@ -14,13 +14,13 @@ from shim.host import paths
 from shim.host.podstate import PodState, state_path
 from podvmctl import status
 from shim.config import MEASURED_OVERHEAD_MIB
-from tests.conftest import require_root, require_tool
-from tests.vmconfig import guest_image, write_test_config
+from testbed.containerd import CRI_NAMESPACE, Containerd, shims_of
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_config, podvm_leftovers, qemus
+from testbed.prereqs import require_root, require_tool
+from testbed.vmconfig import guest_image, write_test_config
 
-from .containerd import CRI_NAMESPACE, Containerd, shims_of
-from .cri import Crictl, write_config
-from .test_crictl import container_config, pod_config, wait_for
-from .test_podvm_pods import podvm_leftovers, qemus
+from .test_crictl import wait_for
 
 MIB = 1 << 20
 

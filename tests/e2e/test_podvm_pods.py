@@ -17,39 +17,20 @@ import time
 import pytest
 
 from shim.host import paths
-from shim.host.cleanup import processes_of
 from shim.host.podstate import PodState, state_path
-from tests.conftest import require_root, require_tool
+from testbed.containerd import (CRI_NAMESPACE, Containerd, in_mount_namespace, mount_namespace,
+                                mounts_under, shims_of)
+from testbed.cri import Crictl, write_config
+from testbed.pods import (container_config, pod_config, pod_processes, pod_qemus, podvm_leftovers,
+                          qemus)
+from testbed.prereqs import require_root, require_tool
+from testbed.vmconfig import GUEST, guest_image, write_test_config
 from tests.podvm_node.test_monitor import Monitor, by_sandbox
-from tests.vmconfig import GUEST, guest_image, write_test_config
 
-from .containerd import (CRI_NAMESPACE, Containerd, in_mount_namespace, mount_namespace,
-                         mounts_under, shims_of)
-from .cri import Crictl, write_config
-from .test_crictl import container_config, pod_config, wait_for
+from .test_crictl import wait_for
 
 def guest_kernel() -> str:
     return json.loads((GUEST / "manifest.json").read_text())["kernel_release"]
-
-
-def qemus(cgroup_parent: str = "") -> list[int]:
-    """Pod QEMUs running now; with `cgroup_parent`, only those in a cgroup below it (the
-    pods of one test containerd: other VMs on the machine are not this test's)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-            groups = pathlib.Path(f"/proc/{pid}/cgroup").read_text() if cgroup_parent else ""
-        except OSError:
-            continue
-        if b"qemu-system" in cmdline and b"podvm-" in cmdline and \
-                f":{cgroup_parent}/" in (groups if cgroup_parent else ":/"):
-            found.append(int(pid))
-    return found
-
-
-def pod_qemus(pod_id: str) -> list[int]:
-    return [pid for pid in qemus() if pod_id.encode() in _cmdline(pid)]
 
 
 def scratch_disk(qemu: int, size_mib: int) -> str:
@@ -66,46 +47,10 @@ def scratch_disk(qemu: int, size_mib: int) -> str:
     return next(iter(held.values()))
 
 
-def pod_file_servers(pod_id: str) -> list[int]:
-    return processes_of("virtiofsd", pod_id)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def pod_processes(ctd: Containerd, pod_id: str) -> list[int]:
-    """The pod's shim daemon and QEMU."""
-    return [pid for pid, cmd in shims_of(ctd.address) if pod_id in cmd] + pod_qemus(pod_id)
-
-
 def pod_mount_namespaces(ctd: Containerd, pod_id: str) -> set[str]:
     """The mount namespaces of the pod's processes other than the host's."""
     return {ns for ns in map(mount_namespace, pod_processes(ctd, pod_id))
             if ns is not None and ns != mount_namespace()}
-
-
-def podvm_leftovers(ctd: Containerd, pod_id: str) -> list[str]:
-    found = [f"shim {cmd}" for _, cmd in shims_of(ctd.address) if pod_id in cmd]
-    found += [f"qemu {pid}" for pid in pod_qemus(pod_id)]
-    found += [f"virtiofsd {pid}" for pid in pod_file_servers(pod_id)]
-    # the host's namespace (a podvm before the pod's own namespace mounted there), and
-    # the pod's, seen through its processes
-    for pid in ("self", *pod_processes(ctd, pod_id)):
-        where = "" if pid == "self" else f" in pid {pid}'s mount namespace"
-        found += [f"mount {m}{where}" for m in mounts_under(ctd.workdir, pid) if pod_id in m]
-        found += [f"mount {m}{where}" for m in
-                  mounts_under(pathlib.Path(paths.STATE_ROOT), pid) if pod_id in m]
-    state = paths.state_dir(CRI_NAMESPACE, pod_id)
-    if os.path.exists(state):
-        found.append(f"state {state}")
-    sock = paths.socket_path(paths.socket_address(ctd.address, CRI_NAMESPACE, pod_id))
-    if os.path.exists(sock):
-        found.append(f"socket {sock}")
-    return found
 
 
 def cri_containerd(tmp_path_factory, image_cache, name: str, namespace: str, **qemu):

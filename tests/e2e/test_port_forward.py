@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from .cri import PortForward, write_config
-from .test_crictl import container_config, pod_config
+from testbed.cri import PortForward, write_config
+from testbed.pods import container_config, pod_config
+
 from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
 
 PAGE = "forwarded from the VM pod"

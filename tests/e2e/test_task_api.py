@@ -13,10 +13,9 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, TtrpcError
 
-from tests.contract.shimproc import daemon_pid
-
-from .containerd import mounts_under
-from .taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
+from testbed.containerd import mounts_under
+from testbed.shimproc import daemon_pid
+from testbed.taskshim import NS, Fifos, busybox_rootfs, call, create, task_shim, workload_bundle
 
 
 @pytest.fixture(scope="module")

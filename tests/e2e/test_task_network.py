@@ -17,12 +17,11 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import TtrpcError
-from tests.contract.shimproc import daemon_pid
+from testbed.shimproc import daemon_pid
+from testbed.taskshim import (NS, Fifos, busybox_rootfs, call, create, shim_daemon, task_shim,
+                              workload_bundle)
+from testbed.vmconfig import vm_config, warm
 from tests.network.conftest import PEER_MAC, POD_MAC, Namespace, _namespace
-from tests.vmconfig import vm_config, warm
-
-from .taskshim import (NS, Fifos, busybox_rootfs, call, create, shim_daemon, task_shim,
-                       workload_bundle)
 
 PODVMCTL = pathlib.Path(__file__).resolve().parents[2] / ".venv" / "bin" / "podvmctl"
 

@@ -9,7 +9,7 @@ same template and grown to its plan by hot-plug. A pod whose shape has no templa
 at once, and its shim makes that template in the background, in the templates' own
 cgroup; a template that no longer restores is discarded and the pod boots instead.
 
-The pods are on the test containerd's private bridge (tests/e2e/bridgenet.py); every
+The pods are on the test containerd's private bridge (testbed/bridgenet.py); every
 wait is bounded."""
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ import pytest
 from podvmctl import status
 from shim.resources.annotations import KATA
 from shim.vm.hypervisor import template_mac
-from tests.conftest import require, require_root, require_tool
-from tests.vmconfig import TEMPLATE_CGROUP, guest_image, write_test_config
+from testbed import bridgenet
+from testbed.containerd import Containerd, shims_of
+from testbed.cri import Crictl, write_config
+from testbed.netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
+from testbed.pods import pod_config, podvm_leftovers, qemus
+from testbed.prereqs import require, require_root, require_tool
+from testbed.vmconfig import TEMPLATE_CGROUP, guest_image, write_test_config
 
-from . import bridgenet
-from .containerd import Containerd, shims_of
-from .cri import Crictl, write_config
-from .netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
-from .test_crictl import pod_config, run_container, wait_for
-from .test_podvm_pods import podvm_leftovers, qemus, remove_pod, runp
+from .test_crictl import run_container, wait_for
+from .test_podvm_pods import remove_pod, runp
 
 ETH_P_ALL = 0x0003
 TEMPLATE_AGE = 8.0

@@ -11,11 +11,11 @@ import pytest
 from shim import config
 from podvmctl import status
 from shim.resources.annotations import KATA
-from tests.podvm_webhook.harness import Webhook, apply_patch, container, decoded_patch, pod
+from testbed.containerd import CRI_NAMESPACE
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_config
+from testbed.webhook import Webhook, apply_patch, container, decoded_patch, pod
 
-from .containerd import CRI_NAMESPACE
-from .cri import Crictl, write_config
-from .test_crictl import container_config, pod_config
 from .test_pod_resources import guest_size, remove_pod, start_containerd
 
 MIB = 1 << 20

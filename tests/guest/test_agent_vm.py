@@ -23,10 +23,10 @@ from shim.network.detach import detach
 from shim.network.model import PodNetwork, Route
 from shim.network.read import read_network
 from shim.vm.stdio import Stdio
-from tests.conftest import require_root
-from tests.e2e.taskshim import busybox_rootfs, spec
+from testbed.prereqs import require_root
+from testbed.taskshim import busybox_rootfs, spec
+from testbed.vmconfig import vm_config
 from tests.network.conftest import PEER_MAC, POD_MAC, Namespace, _namespace
-from tests.vmconfig import vm_config
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from guest.agent import holder
 from guest.agent.reaper import REAPER
 from podvm_core.ttrpc import Code, TtrpcError
-from tests.conftest import require_root, require_tool
+from testbed.prereqs import require_root, require_tool
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 
 from podvm_core.pb.agent import agent_pb2 as pb
-from tests.conftest import require_root, require_tool
+from testbed.prereqs import require_root, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAC = "02:00:0a:09:00:02"

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from testbed.vmconfig import GUEST
 from tests.guestprobe import run_probe
-from tests.vmconfig import GUEST
 
 SCRIPT = r"""
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin

@@ -13,7 +13,7 @@ import pytest
 from guest.agent import resume
 from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.ttrpc import Code, TtrpcError
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 LINKS = {"eth0": "02:70:6f:64:00:00", "eth1": "02:70:6f:64:00:01"}
 

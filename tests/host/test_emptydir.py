@@ -10,8 +10,8 @@ import pytest
 
 from shim.host import emptydir
 from shim.host.emptydir import LocalDir
-from tests.conftest import require_root
-from tests.kubeletdirs import binds, subpath_target, volume_dir  # noqa: F401 (a fixture)
+from testbed.kubeletdirs import binds, subpath_target, volume_dir  # noqa: F401 (a fixture)
+from testbed.prereqs import require_root
 
 
 def test_an_empty_dir_is_its_one_directory_with_kubelet_s_owner_and_mode(tmp_path) -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from shim.host import cleanup, mounts
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 # A process in the pod's namespace: it shares what it is told to (shim/host/share.py), answers
 # with what it sees.

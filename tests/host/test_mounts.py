@@ -7,7 +7,7 @@ import pytest
 
 from shim.host import mounts
 from shim.host.cleanup import remove_tree
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import uuid
 import cgroups
 from shim.host.cgroup import pod_cgroup_limits
 from shim.resources.model import MIB
-from tests.conftest import require, require_root
+from testbed.prereqs import require, require_root
 
 
 def test_a_decimal_memory_limit_plus_the_overhead_is_read_whole() -> None:

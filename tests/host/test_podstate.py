@@ -21,7 +21,8 @@ from shim.host.podstate import (STATE_FILE, VERSION, CgroupState, PodState, PodS
 from shim.host.processes import start_time
 from shim.resources import ContainerResources, Host, plan_sandbox
 from shim.resources.model import request_from_config
-from tests.conftest import require_root, run_namespace
+from testbed.namespaces import run_namespace
+from testbed.prereqs import require_root
 
 NS = run_namespace("podstate-test")
 

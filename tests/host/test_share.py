@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from shim.host import mounts
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 ROOT = pathlib.Path(__file__).parents[2]
 SHARED_AT_LEAST = 3

@@ -30,12 +30,11 @@ from images import build, python
 from images.oci import LAYER, MANIFEST
 from shim.host import paths
 from shim.host.podstate import PodState, state_path
-from tests.conftest import require_root, require_tool
-from tests.e2e.containerd import Containerd
+from testbed.containerd import Containerd
+from testbed.prereqs import require_root, require_tool
+from testbed.vmconfig import write_test_config
+from testbed.webhook import ROOT, Webhook, container, decoded_patch, free_port, pod
 from tests.podvm_webhook.conftest import STATIC_CONFIG
-from tests.podvm_webhook.harness import (ROOT, Webhook, container, decoded_patch, free_port,
-                                         pod)
-from tests.vmconfig import write_test_config
 
 pytestmark = pytest.mark.containerd
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.conftest import require, require_root, require_tool
+from testbed.prereqs import require, require_root, require_tool
 
 POD_MAC = "02:00:0a:09:00:02"
 PEER_MAC = "02:00:0a:09:00:01"

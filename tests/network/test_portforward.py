@@ -20,7 +20,7 @@ from podvm_core.ttrpc import Client, Server, bind
 from shim.vm.agent import Agent
 from shim.network.enter import made_inside
 from shim.network.portforward import LISTEN_ADDRESS, PortForwarder
-from tests.conftest import require_tool
+from testbed.prereqs import require_tool
 from tests.network.conftest import Namespace
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

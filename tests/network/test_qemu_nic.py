@@ -7,7 +7,7 @@ import subprocess
 from shim.network.attach import attach
 from shim.network.detach import detach
 from shim.network.read import read_network
-from tests.conftest import require_tool
+from testbed.prereqs import require_tool
 from tests.network.conftest import POD_MAC, Namespace
 
 

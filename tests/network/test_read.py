@@ -10,7 +10,7 @@ import pytest
 from shim.network.errors import NamespaceGone
 from shim.network.model import Address, Route
 from shim.network.read import read_network
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 from tests.network.conftest import POD_MAC, Namespace
 
 

@@ -22,13 +22,13 @@ from podvm_node import (bundle, containerd_dropin as dropin, hostcheck, hostfile
                         nodelabel)
 from podvm_node.containerd_dropin import Refusal
 from shim.config import HypervisorConfig
-from tests.conftest import require_root, require_tool
-from tests.e2e import bridgenet
-from tests.e2e.containerd import PODVM_SNIPPET, REPO_ROOT, Containerd, podvm_runtime_section
-from tests.e2e.cri import Crictl, write_config
-from tests.e2e.test_crictl import container_config, pod_config, wait_for
-from tests.e2e.test_podvm_pods import pod_qemus
-from tests.vmconfig import guest_image, write_test_config
+from testbed import bridgenet
+from testbed.containerd import PODVM_SNIPPET, REPO_ROOT, Containerd, podvm_runtime_section
+from testbed.cri import Crictl, write_config
+from testbed.pods import container_config, pod_config, pod_qemus
+from testbed.prereqs import require_root, require_tool
+from testbed.vmconfig import guest_image, write_test_config
+from tests.e2e.test_crictl import wait_for
 
 PODVM = "/opt/podvm"
 HIDDEN = ("/usr/share/qemu", "/usr/share/seabios", "/usr/lib/ipxe", "/usr/lib/qemu",

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from podvm_node import nodelabel
-from tests.podvm_webhook.harness import make_certificate
+from testbed.webhook import make_certificate
 
 TOKEN = "secret-token-of-the-installer"
 

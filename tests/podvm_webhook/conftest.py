@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.podvm_webhook.harness import Webhook
+from testbed.webhook import Webhook
 
 STATIC_CONFIG = """\
 [hypervisor.qemu]

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.podvm_webhook.harness import ROOT
+from testbed.webhook import ROOT
 
 _PROBE = """
 import json, sys

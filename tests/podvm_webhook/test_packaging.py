@@ -14,7 +14,7 @@ from podvm_webhook.metrics import Metrics
 from podvm_webhook.policy import Policy
 from podvm_webhook.server import make_app
 
-from tests.podvm_webhook.harness import ROOT
+from testbed.webhook import ROOT
 
 KUBERNETES = ROOT / "packaging" / "kubernetes"
 

@@ -17,8 +17,8 @@ from shim.config import load
 from shim.resources.annotations import KATA, apply_kata_overrides
 from shim.resources.model import ContainerResources, PlanError, request_from_config
 
-from tests.podvm_webhook.harness import (ROOT, apply_patch, container, decoded_patch, install,
-                                         make_certificate, pod, review)
+from testbed.webhook import (ROOT, apply_patch, container, decoded_patch, install,
+                             make_certificate, pod, review)
 
 OVERHEAD = {"cpu": "1", "memory": "448Mi"}  # 1 default vCPU; 256 MiB + QEMU's 192 (KVM)
 

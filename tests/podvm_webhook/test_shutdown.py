@@ -20,8 +20,8 @@ from podvm_webhook.policy import Policy
 from podvm_webhook.server import STOPPING, _ready, make_app
 from shim.config import Config
 
+from testbed.webhook import Webhook, container, pod, review
 from tests.podvm_webhook.conftest import STATIC_CONFIG
-from tests.podvm_webhook.harness import Webhook, container, pod, review
 
 EXIT_BOUND = 5.0
 """Seconds from SIGTERM to exit; the server's own grace for requests in flight is 1 s."""

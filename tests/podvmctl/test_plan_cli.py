@@ -8,8 +8,8 @@ import sys
 
 from shim.resources.annotations import KATA
 
+from testbed.webhook import ROOT
 from tests.podvm_webhook.conftest import STATIC_CONFIG
-from tests.podvm_webhook.harness import ROOT
 
 RUNTIME_CLASS = ROOT / "packaging" / "kubernetes" / "runtimeclass.yaml"
 PACKAGED_CONFIG = ROOT / "packaging" / "configuration.toml"

@@ -21,9 +21,9 @@ from shim.vm.qemu import jail, pidfilter
 from shim.vm.qemu.driver import QemuVM
 from shim.libc import libc
 from shim.host.mountns import in_namespace
-from tests.conftest import require_root
+from testbed.prereqs import require_root
+from testbed.vmconfig import guest_image, vm_config
 from tests.guestprobe import DIR, INTO_ROOT
-from tests.vmconfig import guest_image, vm_config
 
 IDS = 1_800_000_123
 KEEP_MASK = sum(1 << jail.CAPABILITIES.index(name) for name in jail.KEEP)

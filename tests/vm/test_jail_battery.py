@@ -33,9 +33,9 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import VMSpec
 from shim.vm.qemu import jail, pidfilter
 from shim.vm.qemu.driver import QemuVM
-from tests.conftest import require_root
+from testbed.prereqs import require_root
+from testbed.vmconfig import vm_config
 from tests.vm.takeover import in_child
-from tests.vmconfig import vm_config
 
 ON_THE_VMS = pytest.mark.asyncio(loop_scope="module")
 NAMESPACES = (("ipc", jail.CLONE_NEWIPC), ("uts", jail.CLONE_NEWUTS),

@@ -13,8 +13,8 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import (BootTimeout, HypervisorError, MissingFile, ThreadRole,
                                 VMExited, VMSpec)
 from shim.vm.qemu.driver import QemuVM
-from tests.conftest import require_root
-from tests.vmconfig import vm_config
+from testbed.prereqs import require_root
+from testbed.vmconfig import vm_config
 
 
 def spec(tmp_path: pathlib.Path, **qemu: object) -> VMSpec:

@@ -14,7 +14,7 @@ import pytest
 
 from shim.config import HypervisorConfig
 from shim.vm import scratchdisk
-from tests.conftest import require_tool
+from testbed.prereqs import require_tool
 
 MIB = 64
 

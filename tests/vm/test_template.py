@@ -21,8 +21,8 @@ from shim.vm.qemu.driver import QemuVM
 from shim.vm.template import store as templatestore
 from shim.vm.template import template as templates
 from shim.network.model import TapNic
-from tests.conftest import require_root
-from tests.vmconfig import vm_config
+from testbed.prereqs import require_root
+from testbed.vmconfig import vm_config
 
 
 def files_spec(tmp_path: pathlib.Path, **changes) -> VMSpec:

@@ -17,7 +17,7 @@ from podvmctl import cli
 from shim.host import mounts
 from shim.vm.template import store as templatestore
 from shim.vm.template import template as templates
-from tests.conftest import require_root
+from testbed.prereqs import require_root
 
 
 def test_a_missing_store_is_made_root_s_and_0700(tmp_path) -> None:

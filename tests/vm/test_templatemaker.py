@@ -13,7 +13,7 @@ import pytest
 from podvmctl import cli
 from shim.vm.template import maker as templatemaker, store as templatestore
 from shim.vm.template import template as templates
-from tests.vmconfig import vm_config
+from testbed.vmconfig import vm_config
 
 
 @pytest.mark.parametrize("text, shape", [

@@ -19,8 +19,8 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
 from shim.vm.qemu import command as qemu_command
 from shim.vm.qemu.driver import QemuVM
+from testbed.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 from tests.vm.test_qemu import spec
-from tests.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 
 
 def _servers(marker: str) -> list[int]:

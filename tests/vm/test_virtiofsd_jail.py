@@ -26,10 +26,10 @@ import pytest
 
 from shim.vm import virtiofsd
 from shim.vm.hypervisor import HypervisorError
+from testbed.vmconfig import QEMU_VIRTIOFSD, rust_virtiofsd, virtiofs_daemon
 from tests.vm import takeover
 from tests.vm.takeover import Held, in_proc, open_from_anywhere, same_file
 from tests.vm.test_qemu import spec
-from tests.vmconfig import QEMU_VIRTIOFSD, rust_virtiofsd, virtiofs_daemon
 
 IPC_PRIVATE, IPC_CREAT, IPC_RMID, SHM_RDONLY = 0, 0o1000, 0, 0o10000
 PROC_TARGETS = ("/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe",

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import require_tool
 from podvm_node.rust_virtiofsd import WeakenError, weaken_version
+from testbed.prereqs import require_tool
 
 LIBRARY = """
 int old_call(void) { return 1; }

@@ -13,10 +13,11 @@ from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Client, Server, bind
 import cgroups
-from tests.conftest import require_root, run_namespace
-from tests.e2e.taskshim import EventSink, remove_cgroup_dirs
-from tests.contract.shimproc import daemon_pid, run_shim
-from tests.vmconfig import write_test_config
+from testbed.namespaces import run_namespace
+from testbed.prereqs import require_root
+from testbed.shimproc import daemon_pid, run_shim
+from testbed.taskshim import EventSink, remove_cgroup_dirs
+from testbed.vmconfig import write_test_config
 
 SANDBOX = "containerd.runtime.sandbox.v1.Sandbox"
 NS = run_namespace("podvm-sbapi-test")

@@ -19,10 +19,9 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
 from shim.config import MEASURED_OVERHEAD_MIB
-from tests.e2e.containerd import in_mount_namespace, mount_namespace, mounts_under
-from tests.e2e.taskshim import TASK, Fifos, busybox_rootfs, create, spec
-from tests.contract.shimproc import alive, daemon_pid, run_shim
-from tests.contract.test_process_contract import wait_gone
+from testbed.containerd import in_mount_namespace, mount_namespace, mounts_under
+from testbed.shimproc import alive, daemon_pid, run_shim, wait_gone
+from testbed.taskshim import TASK, Fifos, busybox_rootfs, create, spec
 
 from tests.api.sandbox.harness import (MIB, NS, cgroup_exists, cgroup_file, cgroup_of,
                                        sandbox_shim, v2)

@@ -15,8 +15,8 @@ import pytest
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from shim.host import paths
-from tests.e2e.taskshim import TASK, Fifos, busybox_rootfs, create, spec
-from tests.contract.test_process_contract import wait_gone
+from testbed.shimproc import wait_gone
+from testbed.taskshim import TASK, Fifos, busybox_rootfs, create, spec
 
 from tests.api.sandbox.harness import MIB, NS, sandbox_shim
 

@@ -14,9 +14,8 @@ import pytest
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Code, TtrpcError
-from tests.e2e.taskshim import TASK, spec
-from tests.contract.shimproc import network_workers
-from tests.contract.test_process_contract import wait_gone
+from testbed.shimproc import network_workers, wait_gone
+from testbed.taskshim import TASK, spec
 
 from tests.api.sandbox.harness import KATA_DEFAULT_MEMORY, MIB, NS, cgroup_exists, sandbox_shim
 

@@ -17,7 +17,7 @@ from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
 from shim.api.options import RUNTIME_OPTIONS, load_config, saved_options
 from shim.host.paths import RUNTIME_OPTIONS_FILE
-from tests.vmconfig import write_test_config
+from testbed.vmconfig import write_test_config
 
 from tests.api.sandbox.harness import MIB, sandbox_shim
 

@@ -21,12 +21,12 @@ from podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2 import Forward
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.containerd.types.mount_pb2 import Mount
 from podvm_core.ttrpc import Client, ConnectionClosed, Server, bind
-from tests.conftest import require_root, run_namespace
-from tests.contract.shimproc import daemon_pid, run_shim
-from tests.contract.test_process_contract import wait_gone
-from tests.vmconfig import write_test_config
 
 from .image import _layer
+from .namespaces import run_namespace
+from .prereqs import require_root
+from .shimproc import daemon_pid, run_shim, wait_gone
+from .vmconfig import write_test_config
 
 TASK = "containerd.task.v2.Task"
 NS = run_namespace("podvm-task-test")

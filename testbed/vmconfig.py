@@ -11,7 +11,8 @@ import tempfile
 
 from shim.config import Config, HypervisorConfig, RuntimeConfig, load
 from shim.vm.template import maker as templatemaker
-from tests.conftest import require, require_tool
+
+from .prereqs import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # PODVM_GUEST_DIR: another image (one being built and tried beside the default one)

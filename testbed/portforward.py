@@ -1,5 +1,5 @@
 """The client side of a CRI streaming server's port-forward (what `crictl port-forward`
-and kubelet's clients speak), over websocket: tests/e2e/crictl.py's `port-forward`.
+and kubelet's clients speak), over websocket: testbed/crictl.py's `port-forward`.
 
 The protocol, as k8s.io/cri-streaming (kubelet's pkg/cri/streaming/portforward,
 websocket.go; vendored by containerd) serves it: a websocket to the URL that

@@ -1,4 +1,4 @@
-"""Run crictl from tests: our client (tests/e2e/crictl.py) by default, or the real crictl
+"""Run crictl from tests: our client (testbed/crictl.py) by default, or the real crictl
 binary when $CRICTL names one, with the same arguments, so every e2e test can check
 both against containerd."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Crictl:
     def program(self) -> list[str]:
         if self.binary:
             return [self.binary]
-        return [sys.executable, "-m", "tests.e2e.crictl"]
+        return [sys.executable, "-m", "testbed.crictl"]
 
     def run(self, *args: str, check: bool = True, timeout: float = 180) -> Result:
         argv = [*self.program, "--runtime-endpoint", self.endpoint, "--image-endpoint",

@@ -1,4 +1,4 @@
-"""Pods on the POD network of a test containerd (tests/e2e/bridgenet.py), seen as a user
+"""Pods on the POD network of a test containerd (testbed/bridgenet.py), seen as a user
 sees them: through crictl only, whatever the runtime handler (and, for what a pod leaves
 in its namespace, through iproute2). Every wait is bounded."""
 from __future__ import annotations

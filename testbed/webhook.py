@@ -18,9 +18,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tests.conftest import require_tool
+from .prereqs import require_tool
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 POD_KIND = {"group": "", "version": "v1", "kind": "Pod"}
 REALTIME_PRIORITY = 10
 

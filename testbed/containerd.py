@@ -5,7 +5,7 @@ With `cri=True` it also serves the CRI (what kubelet and crictl speak) with two 
 `runc` (the default) and `podvm`, the latter built from the packaged snippet
 packaging/containerd/config-v2.toml so that the snippet users install is the one tested.
 Pods use a locally built pause image, and either the node's network or a private CNI
-bridge network (tests/e2e/bridgenet.py) that this containerd's stop() removes, when the
+bridge network (testbed/bridgenet.py) that this containerd's stop() removes, when the
 machine has the CNI plugins.
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ import time
 import tomllib
 import uuid
 
-from tests.conftest import compile_shim, run_namespace
-
 from . import bridgenet, image
+from .bytecode import compile_shim
+from .namespaces import run_namespace
 
 SHIM_BIN_DIR = pathlib.Path(sys.executable).parent  # the venv with containerd-shim-podvm-v2
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PODVM_SNIPPET = REPO_ROOT / "packaging" / "containerd" / "config-v2.toml"
 CRI_PLUGIN = "io.containerd.grpc.v1.cri"
 CRI_NAMESPACE = "k8s.io"  # where the CRI plugin keeps its images, containers and tasks

@@ -1,13 +1,16 @@
-"""Running the real shim binary the way containerd does."""
+"""The harness tests and benchmarks share: the real shim binary run the way containerd
+runs it."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
-from tests.conftest import run_namespace
+from .namespaces import run_namespace
 
 SHIM = str(pathlib.Path(sys.executable).parent / "containerd-shim-podvm-v2")
 
@@ -60,6 +63,13 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+async def wait_gone(pid: int, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not alive(pid), f"shim daemon {pid} still running"
 
 
 def network_workers(daemon_pid: int) -> list[int]:

@@ -1,8 +1,8 @@
-"""A crictl-compatible command line client: `python -m tests.e2e.crictl [flags] COMMAND`.
+"""A crictl-compatible command line client: `python -m testbed.crictl [flags] COMMAND`.
 
 Tests drive containerd's CRI plugin the way kubelet and operators do, with crictl's
 arguments, file formats and output, without needing the crictl binary (not packaged for
-Debian 12, and no network to fetch it). tests/e2e/cri.py runs this module, or the real
+Debian 12, and no network to fetch it). testbed/cri.py runs this module, or the real
 crictl when $CRICTL names one, with the same arguments.
 
 Differences from crictl: `exec -s` exits with the command's own status and keeps its
@@ -382,7 +382,7 @@ def cmd_exec(c: CriClient, a: argparse.Namespace) -> None:
 
 def cmd_port_forward(c: CriClient, a: argparse.Namespace) -> None:
     """Listen on a local port and forward each connection to the pod's port, through
-    the runtime's streaming server (tests/e2e/portforward.py), until interrupted."""
+    the runtime's streaming server (testbed/portforward.py), until interrupted."""
     import asyncio
     import signal
 
