@@ -12,10 +12,13 @@ names no runtimes). The cost: while the drop-in is there, an edit to config.toml
 section takes effect only when `podvm-node install` runs again (the DaemonSet's pod
 restarting); the drop-in's header says so.
 
-containerd 2.x (`version = 3`): imports merge key by key, so the drop-in holds only
+containerd 2.x (`version = 3`; 2.3's own is `version = 4`, which moved only the server
+settings, and it reads 3 too): imports merge key by key, so the drop-in holds only
 podvm's two runtimes: `podvm` (a pause container, as 1.x) and `podvm-sandboxer`
 (sandboxer = "shim", podvm's Sandbox API), as packaging/containerd/config-v3.toml and
-config-v3-sandboxer.toml next to it have them.
+config-v3-sandboxer.toml next to it have them, in config.toml's version (containerd
+refuses a drop-in of a higher version than config.toml's, and warns at each start about
+one of a lower version, which it migrates).
 
 In both, config.toml must import the drop-in: if its `imports` already matches the path
 (e.g. conf.d/*.toml), config.toml is untouched; otherwise the one change made to it is
@@ -27,6 +30,7 @@ import fnmatch
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from podvmctl import tomlwrite
@@ -36,8 +40,22 @@ DROPIN = "/etc/containerd/conf.d/podvm.toml"
 PODVM_CONFIG = "/etc/podvm/configuration.toml"
 CRI_V2 = "io.containerd.grpc.v1.cri"
 CRI_V3 = "io.containerd.cri.v1.runtime"
-SUPPORTED = {(1, 6): 2, (1, 7): 2, (2, 0): 3, (2, 1): 3, (2, 2): 3}
-"""containerd release -> the config version its podvm drop-in is written in."""
+GRPC_SERVER = "io.containerd.server.v1.grpc"
+SUPPORTED = {(1, 6): (2,), (1, 7): (2,), (2, 0): (3,), (2, 1): (3,), (2, 2): (3,),
+             (2, 3): (3, 4)}
+"""containerd release -> the config versions its podvm drop-in may be written in: the one
+config.toml has (a drop-in of a higher version than config.toml is refused by containerd,
+one of a lower version is migrated at each start, with a warning), or where there is none,
+the last, the release's own (`containerd config default`). containerd 2.3's version 4 moved
+only the server settings ([grpc], [ttrpc], ...) into plugins: the CRI runtimes are the
+same in 3 and 4 (cmd/containerd/server/config/config.go there, serviceMigrate)."""
+LATER_MAJOR = 2
+LATER_VERSIONS = (3, 4)
+"""A minor of LATER_MAJOR after the table's is taken when its own `containerd config
+default` is one of these versions (containerd changes the version when a plugin's
+configuration moves, so an unchanged one keeps the runtimes where podvm puts them); a
+release of another version, or of another major, is refused."""
+KNOWN = "1.6, 1.7, 2.0-2.3, a later 2.x whose `containerd config default` is version 3 or 4"
 RUNC = {"runtime_type": "io.containerd.runc.v2"}
 
 
@@ -99,21 +117,46 @@ def read_config(host: str) -> tuple[str | None, dict]:
         raise Refusal(f"{CONFIG} is not TOML podvm can read ({exc}): fix it first") from None
 
 
-def config_version(release: tuple[int, int] | None, data: dict, exists: bool) -> int:
-    """The config version podvm writes: the release's, which config.toml must agree
-    with; without a known release, config.toml's own version."""
+def release_config_versions(release: tuple[int, int],
+                            default_config: Callable[[], str | None]) -> tuple[int, ...]:
+    """The config versions podvm-node writes for `release`: the table's, or for a later
+    minor of LATER_MAJOR, LATER_VERSIONS up to the one `default_config()` (that
+    containerd's `containerd config default`) names."""
+    if release in SUPPORTED:
+        return SUPPORTED[release]
+    name = f"containerd {release[0]}.{release[1]}"
+    newest = max(SUPPORTED)
+    if release[0] != LATER_MAJOR or release < newest:
+        raise Refusal(f"{name} is not one podvm-node knows ({KNOWN}): nothing changed")
+    m = re.search(r"(?m)^version\s*=\s*(\d+)", default_config() or "")
+    if not m:
+        raise Refusal(f"{name} is newer than podvm-node knows ({newest[0]}.{newest[1]}) "
+                      f"and its `containerd config default` names no config version: "
+                      f"nothing changed")
+    own = int(m.group(1))
+    if own not in LATER_VERSIONS:
+        raise Refusal(f"{name} has config version {own} (`containerd config default`), "
+                      f"not one podvm-node knows ({KNOWN}): nothing changed")
+    return tuple(v for v in LATER_VERSIONS if v <= own)
+
+
+def config_version(release: tuple[int, int] | None, data: dict, exists: bool,
+                   default_config: Callable[[], str | None] = lambda: None) -> int:
+    """The config version podvm writes: config.toml's, which must be one the release
+    takes (release_config_versions); the release's own where there is no config.toml;
+    without a known release, config.toml's version."""
     have = data.get("version", 1) if exists else None
     if release is not None:
-        if release not in SUPPORTED:
-            raise Refusal(f"containerd {release[0]}.{release[1]} is not one podvm-node "
-                          f"knows (1.6, 1.7, 2.0-2.2): nothing changed")
-        want = SUPPORTED[release]
-        if have is not None and have != want:
+        versions = release_config_versions(release, default_config)
+        if have is None:
+            return versions[-1]
+        if have not in versions:
             raise Refusal(f"containerd {release[0]}.{release[1]} with a version {have} "
-                          f"{CONFIG}: podvm-node writes version {want} (containerd "
-                          f"config migrate): nothing changed")
-        return want
-    if have in (2, 3):
+                          f"{CONFIG}: podvm-node writes version "
+                          f"{' or '.join(map(str, versions))} (containerd config migrate): "
+                          f"nothing changed")
+        return have
+    if have in (2, 3, 4):
         return have
     raise Refusal(f"cannot tell containerd's version (no containerd binary on the host, "
                   f"{CONFIG} {'has version ' + str(have) if exists else 'absent'}): "
@@ -121,9 +164,10 @@ def config_version(release: tuple[int, int] | None, data: dict, exists: bool) ->
 
 
 def dropin_text(version: int, data: dict) -> str:
-    if version == 3:
+    if version >= 3:  # 4 (containerd 2.3) has the runtimes where 3 has them
         runtimes = {"podvm": podvm_runtime(3), "podvm-sandboxer": podvm_runtime(3, True)}
-        body = {"version": 3, "plugins": {CRI_V3: {"containerd": {"runtimes": runtimes}}}}
+        body = {"version": version,
+                "plugins": {CRI_V3: {"containerd": {"runtimes": runtimes}}}}
         head = ("# podvm's runtimes, written by `podvm-node install` and removed by "
                 "`podvm-node uninstall`.\n# containerd 2.x merges this into "
                 f"{CONFIG} key by key.\n\n")
@@ -175,14 +219,19 @@ def _top_level_end(text: str) -> int:
 
 
 def socket(data: dict) -> str:
-    return data.get("grpc", {}).get("address", "/run/containerd/containerd.sock")
+    """containerd's gRPC socket: [grpc] address up to config version 3, the server
+    plugin's from version 4 (containerd 2.3, which still reads [grpc] of older files)."""
+    server = data.get("plugins", {}).get(GRPC_SERVER, {}).get("address")
+    return server or data.get("grpc", {}).get("address", "/run/containerd/containerd.sock")
 
 
-def plan(host: str, release: tuple[int, int] | None) -> Plan:
+def plan(host: str, release: tuple[int, int] | None,
+         default_config: Callable[[], str | None] = lambda: None) -> Plan:
     """Everything install will write to containerd's configuration, decided before
-    anything is written."""
+    anything is written. `default_config`: the host containerd's `containerd config
+    default`, asked only of a release newer than the table (release_config_versions)."""
     text, data = read_config(host)
-    version = config_version(release, data, text is not None)
+    version = config_version(release, data, text is not None, default_config)
     return Plan(version, dropin_text(version, data), imports_edit(text, data, version),
                 socket(data))
 

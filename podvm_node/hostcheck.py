@@ -24,13 +24,23 @@ VersionProbe = Callable[[str], "str | None"]
 def containerd_version_text(host: str) -> str | None:
     """`containerd --version` of the host's own binary, run in the host's root (its
     libraries); None when the host has none where containerd is installed."""
+    return _run_containerd(host, "--version")
+
+
+def containerd_default_config(host: str) -> str | None:
+    """`containerd config default` of the same binary (the config version a release
+    newer than podvm-node's table has); None as above."""
+    return _run_containerd(host, "config", "default")
+
+
+def _run_containerd(host: str, *args: str) -> str | None:
     for binary in CONTAINERD_BINARIES:
         if os.path.isfile(host + binary):
-            argv = [binary, "--version"] if host in ("", "/") else \
-                ["chroot", host, binary, "--version"]
+            argv = [binary, *args] if host in ("", "/") else ["chroot", host, binary, *args]
             out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
             if out.returncode != 0:
-                raise Refusal(f"{binary} --version failed: {out.stderr.strip()[:200]}")
+                raise Refusal(f"{binary} {' '.join(args)} failed: "
+                              f"{out.stderr.strip()[:200]}")
             return out.stdout
     return None
 

@@ -84,8 +84,11 @@ def wait_for_socket(path: str, timeout: float = SOCKET_TIMEOUT) -> None:
 
 
 def check(host: str, bundle: str, version_text: str | None,
-          mountinfo: str | None = None) -> dropin.Plan:
-    """Every refusal, before anything changes; the containerd plan."""
+          mountinfo: str | None = None,
+          default_config: Callable[[], str | None] | None = None) -> dropin.Plan:
+    """Every refusal, before anything changes; the containerd plan. `default_config`:
+    the host containerd's `containerd config default` (None: asked of the host's binary,
+    for a release newer than podvm-node's table only)."""
     if not os.path.isfile(os.path.join(bundle, "manifest.json")):
         raise Refusal(f"{bundle} is not a podvm bundle (no manifest.json): pass --bundle")
     hostcheck.check_kvm(host, os.path.join(bundle, "etc", "configuration.toml"))
@@ -94,7 +97,8 @@ def check(host: str, bundle: str, version_text: str | None,
                                     "/etc/podvm/configuration.toml", dropin.DROPIN,
                                     dropin.CONFIG))
     release = None if version_text is None else dropin.parse_version(version_text)
-    plan = dropin.plan(host, release)
+    plan = dropin.plan(host, release, default_config or
+                       (lambda: hostcheck.containerd_default_config(host)))
     link = host + SHIM_LINK
     if os.path.lexists(link) and not (os.path.islink(link) and os.readlink(link) == SHIM):
         raise Refusal(f"{SHIM_LINK} exists and is not podvm-node's (make install?): "
@@ -105,9 +109,11 @@ def check(host: str, bundle: str, version_text: str | None,
 def install(host: str, bundle: str, restart: Restart | None = None,
             version_text: str | None = None, mountinfo: str | None = None,
             say: Callable[[str], None] = print,
-            warm: Callable[[], str] | None = None) -> None:
-    """`warm`: the templates' warm-up, last (None: none); pods boot where it fails."""
-    plan = check(host, bundle, version_text, mountinfo)
+            warm: Callable[[], str] | None = None,
+            default_config: Callable[[], str | None] | None = None) -> None:
+    """`warm`: the templates' warm-up, last (None: none); pods boot where it fails.
+    `default_config`: as check's."""
+    plan = check(host, bundle, version_text, mountinfo, default_config)
     record = hostfiles.load(host) or hostfiles.Record()
     before = copy.deepcopy(record)
     staged = ""

@@ -67,8 +67,8 @@ def _runtime_options(stdin: bytes) -> Any | None:
     2.3, the options themselves, an Any (fields 1 and 2 only); from 2.3, BootstrapParams
     (api/runtime/bootstrap/v1 there: its scalars from field 3 on), the options one of its
     extensions (field 8, each an Extension whose field 1 is an Any), among others that a
-    shim ignores. Read through Any and BytesValue, which have the same wire layout, as
-    podvm has no code generated for BootstrapParams."""
+    shim ignores. Read through Any and BytesValue, which have the same wire layout (a
+    field above 2 makes it BootstrapParams, as `start` tells them apart: bootstrap.py)."""
     message = Any.FromString(stdin)
     unknown = UnknownFieldSet(message)
     if all(field.field_number <= 2 for field in unknown):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from podvm_core.atomic import write_atomic
 
 from ..host import paths, shimstate
+from . import bootstrap
 from .flags import Flags
 
 
@@ -25,13 +26,13 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     """`serve(flags, sock)`: what the forked daemon runs (the CLI passes it in, so that
     this module never imports the daemon's side)."""
     bundle = flags.bundle_dir
-    _keep_runtime_options(bundle)
+    stdin = _keep_runtime_options(bundle)
     group = paths.group_id(paths.read_spec(bundle), flags.id)
     address = paths.socket_address(flags.address, flags.namespace, group)
     sock = _bind(paths.socket_path(address))
     if sock is None:  # the pod's daemon is alive and serves this container too
         _write_address(bundle, address)
-        sys.stdout.write(address)
+        sys.stdout.buffer.write(bootstrap.answer(stdin, address))
         return 0
     try:
         pid = _spawn_daemon(flags, address, sock, serve)
@@ -43,7 +44,7 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     shimstate.write(flags.namespace, group,
                     {"pid": pid, "address": address, "bundle": bundle, "id": flags.id})
     _write_address(bundle, address)
-    sys.stdout.write(address)
+    sys.stdout.buffer.write(bootstrap.answer(stdin, address))
     return 0
 
 
@@ -52,15 +53,17 @@ STDIN_WAIT = 0.2
 closed at once, so only a stdin that is not containerd's waits this long."""
 
 
-def _keep_runtime_options(bundle: str) -> None:
+def _keep_runtime_options(bundle: str) -> bytes:
     """containerd writes the runtime's options (runtimeoptions.v1.Options in an Any, with
     the ConfigPath) to `start`'s stdin, bare before 2.3, inside its BootstrapParams from
     2.3: the Sandbox API gets them nowhere else (the Task API with each Create). Kept
     unparsed in the bundle, as runc's shim keeps its own (options.json): decoding needs
-    protobuf, which `start` does not load."""
+    protobuf, which `start` does not load. Returns stdin, which also says how to answer
+    (bootstrap.py)."""
     data = _read_stdin()
     if data:
         write_atomic(os.path.join(bundle, paths.RUNTIME_OPTIONS_FILE), data)
+    return data
 
 
 def _read_stdin() -> bytes:
