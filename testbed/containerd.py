@@ -26,6 +26,7 @@ import uuid
 from . import bridgenet, image
 from .bytecode import compile_shim
 from .namespaces import run_namespace
+from .vmconfig import vmm_env
 
 SHIM_BIN_DIR = pathlib.Path(sys.executable).parent  # the venv with containerd-shim-podvm-v2
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,8 +37,11 @@ CRI_NAMESPACE = "k8s.io"  # where the CRI plugin keeps its images, containers an
 
 class Containerd:
     def __init__(self, workdir: pathlib.Path, namespace: str = run_namespace("podvm-ctr-test"), cri: bool = False,
-                 podvm_config: str | os.PathLike | None = None) -> None:
+                 podvm_config: str | os.PathLike | None = None, vmm: str = "qemu") -> None:
+        """`vmm`: what its podvm shims make their pods' VMs with (testbed/vmconfig.py
+        VMMS: "fake" for testbed/fakevm.py's; its configuration must keep no templates)."""
         self.workdir = workdir
+        self.vmm = vmm
         self.namespace = namespace
         self.cri = cri
         self.podvm_config = None if podvm_config is None else str(podvm_config)
@@ -132,7 +136,9 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
         self.config.write_text(self.config_text())
         compile_shim()  # the benches' and the demo's shims run as a node's would
         self._cgroups_before = set(cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace))
-        env = dict(os.environ, PATH=f"{SHIM_BIN_DIR}:{os.environ.get('PATH', '')}")
+        # containerd's environment is its shims': the VMM they use is chosen there
+        env = vmm_env(dict(os.environ, PATH=f"{SHIM_BIN_DIR}:{os.environ.get('PATH', '')}"),
+                      self.vmm)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(["containerd", "--config", str(self.config)],
                                         stdout=self._log, stderr=subprocess.STDOUT, env=env,

@@ -26,7 +26,7 @@ from .image import _layer
 from .namespaces import run_namespace
 from .prereqs import require_root
 from .shimproc import daemon_pid, run_shim, wait_gone
-from .vmconfig import write_test_config
+from .vmconfig import vmm_config, vmm_env, write_test_config
 
 TASK = "containerd.task.v2.Task"
 NS = run_namespace("podvm-task-test")
@@ -118,12 +118,14 @@ class EventSink:
 
 @contextlib.asynccontextmanager
 async def shim_daemon(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
-                      runtime: dict | None = None, netns: str = "", **qemu: object):
+                      runtime: dict | None = None, netns: str = "", vmm: str = "qemu",
+                      **qemu: object):
     """A pod's shim started as containerd starts it, its sandbox container (bundle
     `sb`) not created yet: with its cgroup under the parent of `cgroups_path`, by
     default a pod cgroup of the test's own; in the network namespace at `netns`, as CNI
-    leaves one, else in one of its own with no interface. Afterwards `delete` kills the
-    daemon whatever happened, and the pod cgroup is removed."""
+    leaves one, else in one of its own with no interface; its VMs made by `vmm`
+    (testbed/vmconfig.py VMMS: "fake" for testbed/fakevm.py's). Afterwards `delete`
+    kills the daemon whatever happened, and the pod cgroup is removed."""
     require_root()
     grpc = str(tmp_path / "containerd.sock")
     sink = EventSink()
@@ -138,12 +140,13 @@ async def shim_daemon(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path
     (bundle / "config.json").write_text(json.dumps(sandbox_spec))
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
     started = run_shim(bundle, "sb", "start", grpc, namespace=NS,
-                       env=dict(os.environ, TTRPC_ADDRESS=grpc + ".ttrpc"))
+                       env=vmm_env(dict(os.environ, TTRPC_ADDRESS=grpc + ".ttrpc"), vmm))
     assert started.returncode == 0, started.stderr
     client = await Client.connect(started.stdout.decode(),
                                   metadata=[("containerd-namespace-ttrpc", NS)])
     options = api.CreateTaskRequest().options
-    options.Pack(Options(config_path=str(write_test_config(tmp_path / "podvm.toml", runtime, **qemu))))
+    config = write_test_config(tmp_path / "podvm.toml", runtime, **{**vmm_config(vmm), **qemu})
+    options.Pack(Options(config_path=str(config)))
     ctx = {"client": client, "tmp": tmp_path, "rootfs": rootfs, "options": options,
            "grpc": grpc, "bundle": bundle, "events": sink.events,
            "deleted": sink.deleted, "cgroups_path": cgroups_path}
@@ -158,10 +161,12 @@ async def shim_daemon(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path
 
 @contextlib.asynccontextmanager
 async def task_shim(tmp_path: pathlib.Path, rootfs: pathlib.Path, cgroups_path: str = "",
-                    runtime: dict | None = None, netns: str = "", **qemu: object):
+                    runtime: dict | None = None, netns: str = "", vmm: str = "qemu",
+                    **qemu: object):
     """shim_daemon's shim with the sandbox container created and started; stopped and
     removed afterwards as containerd does, checked to be gone."""
-    async with shim_daemon(tmp_path, rootfs, cgroups_path, runtime, netns, **qemu) as ctx:
+    async with shim_daemon(tmp_path, rootfs, cgroups_path, runtime, netns, vmm,
+                           **qemu) as ctx:
         client, bundle, sink_events = ctx["client"], ctx["bundle"], ctx["events"]
         try:
             await create(ctx, "sb", bundle, Fifos(tmp_path, "sb"))

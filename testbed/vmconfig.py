@@ -38,6 +38,28 @@ def remove_templates() -> None:
             pass
 
 
+VMMS = ("qemu", "fake")
+"""What a shim a test starts may run its pods' VMs with: QEMU and the real guest image, or
+testbed/fakevm.py's FakeVM (a host process and an agent that answers, no guest), for
+the tests of what the host does with a VM."""
+TEST_VMM = "PODVM_TEST_VMM"
+"""shim/vm/vmm.py's variable that selects the FakeVM."""
+
+
+def vmm_env(env: dict[str, str], vmm: str) -> dict[str, str]:
+    """`env` for a shim whose VMs `vmm` (VMMS) makes: "fake" sets TEST_VMM, "qemu" clears
+    it (a test's own environment never picks the VMM)."""
+    assert vmm in VMMS, vmm
+    env = {k: v for k, v in env.items() if k != TEST_VMM}
+    return {**env, TEST_VMM: "fake"} if vmm == "fake" else env
+
+
+def vmm_config(vmm: str) -> dict[str, object]:
+    """The configuration keys a VMM needs besides the tests' own: a FakeVM restores and
+    makes no template."""
+    return {"enable_template": False} if vmm == "fake" else {}
+
+
 def guest_image() -> tuple[str, str]:
     require_tool("qemu-system-x86_64", "qemu-system-x86")
     kernel, initrd = GUEST / "vmlinux", GUEST / "initrd.img"

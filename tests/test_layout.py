@@ -173,6 +173,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/vm/stdio.py",
      "threading"):
         "stdin only: the one thread a shim starts",
+    ("shim/vm/vmm.py",
+     "testbed.fakevm"):
+        "the tests' FakeVM, where PODVM_TEST_VMM selects it: no node has testbed/",
 }
 """Every import made inside a function, (file, module) -> why it waits: each one is
 start-up time or memory an idle daemon, `start` or `delete` would otherwise pay. The code

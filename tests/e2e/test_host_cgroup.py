@@ -1,7 +1,12 @@
 """Every host thread of a pod's VM in the pod's sandbox cgroup, by role, on this host's
-real cgroup v1 hierarchies with a real QEMU (TCG), and the CPU and memory QEMU uses
-charged there (docs/design.md, Sandbox cgroup layout). The same placement on cgroup v2 runs in the
-guest VM: tests/cgroups/test_v2_full_host.py."""
+real cgroup v1 hierarchies, and the CPU and memory QEMU uses charged there (docs/design.md,
+Sandbox cgroup layout). The same placement on cgroup v2 runs in the guest VM:
+tests/cgroups/test_v2_full_host.py.
+
+Where the shim puts a VM's threads, how podvmctl reports them and what `delete` removes
+after a crash are the host's: those run on a FakeVM (testbed/fakevm.py: a real process
+with QEMU's threads, named as QEMU names them). Threads QEMU itself makes as the guest
+does I/O, and what a busy guest's QEMU is charged, need a real QEMU (TCG)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +34,19 @@ def rootfs(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 async def pod(tmp_path, rootfs):
+    async for ctx in _pod(tmp_path, rootfs, "fake"):
+        yield ctx
+
+
+@pytest.fixture
+async def vm_pod(tmp_path, rootfs):
+    async for ctx in _pod(tmp_path, rootfs, "qemu"):
+        yield ctx
+
+
+async def _pod(tmp_path, rootfs, vmm: str):
     parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
-    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb") as ctx:
+    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb", vmm=vmm) as ctx:
         ctx["pod_cgroup"] = parent
         ctx["sandbox_cgroup"] = f"{parent}/podvm_sb"
         ctx["qemu_pid"] = sandbox_state()["qemu_pid"]
@@ -93,49 +109,52 @@ async def test_every_qemu_thread_is_in_the_sandbox_cgroup_by_role(pod) -> None:
             assert path == pod["sandbox_cgroup"], (c, path)
 
 
-async def test_threads_that_appear_or_move_are_put_back(pod) -> None:
+async def test_threads_that_appear_or_move_are_put_back(vm_pod) -> None:
     """QEMU makes threads later (9p I/O workers, hot-plugged vCPUs) in their creator's
     cgroup, and anything may move one: the shim sorts them within seconds."""
-    fifos = Fifos(pod["tmp"], "io")
+    fifos = Fifos(vm_pod["tmp"], "io")
     script = "dd if=/dev/zero of=/f bs=64k count=400 2>/dev/null; sync; echo wrote; sleep 1000"
-    await create(pod, "io", workload_bundle(pod, "io", args=["sh", "-c", script]), fifos)
-    await call(pod, "Start", api.StartRequest(id="io"), api.StartResponse)
+    await create(vm_pod, "io", workload_bundle(vm_pod, "io", args=["sh", "-c", script]),
+                 fifos)
+    await call(vm_pod, "Start", api.StartRequest(id="io"), api.StartResponse)
     assert b"wrote" in await fifos.read(fifos.out, b"wrote", timeout=60)
     manager = cgroups.detect()
-    layout = cgroups.SandboxLayout(pod["pod_cgroup"], "sb")
-    found = threads(pod["qemu_pid"])
+    layout = cgroups.SandboxLayout(vm_pod["pod_cgroup"], "sb")
+    found = threads(vm_pod["qemu_pid"])
     vcpu = next(t for t, (n, _) in found.items() if n.startswith("CPU "))
     other = next(t for t, (n, _) in found.items() if not n.startswith("CPU ") and t != vcpu)
     assert manager.move_thread(layout, "vmm", vcpu) and manager.move_thread(layout, "vcpus",
                                                                              other)
-    assert misplaced(pod) != []
+    assert misplaced(vm_pod) != []
     async with asyncio.timeout(10):
-        while misplaced(pod):
+        while misplaced(vm_pod):
             await asyncio.sleep(0.2)
-    await call(pod, "Kill", api.KillRequest(id="io", signal=9))
-    await call(pod, "Wait", api.WaitRequest(id="io"), api.WaitResponse)
-    await call(pod, "Delete", api.DeleteRequest(id="io"), api.DeleteResponse)
+    await call(vm_pod, "Kill", api.KillRequest(id="io", signal=9))
+    await call(vm_pod, "Wait", api.WaitRequest(id="io"), api.WaitResponse)
+    await call(vm_pod, "Delete", api.DeleteRequest(id="io"), api.DeleteResponse)
 
 
-async def test_busy_pod_is_charged_to_its_sandbox_cgroup(pod) -> None:
+async def test_busy_pod_is_charged_to_its_sandbox_cgroup(vm_pod) -> None:
     """A container burning CPU and writing files: the sandbox cgroup's CPU usage covers
     all CPU time of QEMU's threads, its memory usage QEMU's anonymous memory."""
-    fifos = Fifos(pod["tmp"], "busy")
+    fifos = Fifos(vm_pod["tmp"], "busy")
     script = ("while :; do :; done & "
               "while :; do dd if=/dev/zero of=/f bs=64k count=200 2>/dev/null; sync; done & "
               "echo busy; wait")
-    await create(pod, "busy", workload_bundle(pod, "busy", args=["sh", "-c", script]), fifos)
-    await call(pod, "Start", api.StartRequest(id="busy"), api.StartResponse)
+    await create(vm_pod, "busy", workload_bundle(vm_pod, "busy", args=["sh", "-c", script]),
+                 fifos)
+    await call(vm_pod, "Start", api.StartRequest(id="busy"), api.StartResponse)
     assert b"busy" in await fifos.read(fifos.out, b"busy", timeout=60)
     async with asyncio.timeout(120):  # until QEMU has really been busy, however loaded
-        while (figures := charged(pod["qemu_pid"], pod["sandbox_cgroup"]))["qemu_cpu_s"] < 2:
+        while (figures := charged(vm_pod["qemu_pid"],
+                                  vm_pod["sandbox_cgroup"]))["qemu_cpu_s"] < 2:
             await asyncio.sleep(0.2)
     print("accounting:", figures)
     assert figures["cgroup_cpu_s"] >= 0.99 * figures["qemu_cpu_s"], figures
     assert figures["cgroup_memory_mib"] >= figures["qemu_anon_mib"], figures
-    await call(pod, "Kill", api.KillRequest(id="busy", signal=9, all=True))
-    await call(pod, "Wait", api.WaitRequest(id="busy"), api.WaitResponse)
-    await call(pod, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)
+    await call(vm_pod, "Kill", api.KillRequest(id="busy", signal=9, all=True))
+    await call(vm_pod, "Wait", api.WaitRequest(id="busy"), api.WaitResponse)
+    await call(vm_pod, "Delete", api.DeleteRequest(id="busy"), api.DeleteResponse)
 
 
 def test_podvmctl_status_shows_every_thread_and_no_difference(pod) -> None:
@@ -163,7 +182,7 @@ async def test_delete_after_a_shim_crash_removes_vm_and_cgroups(tmp_path, rootfs
     from testbed.shimproc import daemon_pid, run_shim
 
     parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
-    shim = task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb")
+    shim = task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb", vmm="fake")
     ctx = await shim.__aenter__()
     try:
         qemu_pid = sandbox_state()["qemu_pid"]
@@ -196,7 +215,8 @@ async def test_shim_outside_the_sandbox_and_vmm_threads_on_overhead_cpus(tmp_pat
         pytest.fail(f"this test needs 2 host CPUs, this machine has {online}")
     parent = f"/podvm-cgtest-{uuid.uuid4().hex[:8]}"
     runtime = {"sandbox_cgroup_only": False, "overhead_cpus": str(online[0])}
-    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb", runtime=runtime):
+    async with task_shim(tmp_path, rootfs, cgroups_path=f"{parent}/sb", runtime=runtime,
+                         vmm="fake"):
         shim_pid = json.loads(pathlib.Path(f"/run/podvm/{NS}/sb/shim.json").read_text())["pid"]
         for c, path in threads(shim_pid)[shim_pid][1].items():
             if c in SPLIT + WHOLE:

@@ -3,6 +3,9 @@
 Real containerd (Debian's 1.6), real QEMU under TCG, the real guest image. Every test
 runs with the real crictl too: CRICTL=/path/to/crictl. Here every pod boots its guest
 (enable_template = false): the other end-to-end modules' pods mostly restore templates.
+What the host makes of a container's exit and of a VM that dies (exit codes, stops, the
+shim's word on how the VM ended, cleanup) runs on a FakeVM (testbed/fakevm.py) through
+the same containerd and shim: a containerd of its own whose shims make FakeVMs.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from testbed.cri import Crictl, write_config
 from testbed.pods import (container_config, pod_config, pod_processes, pod_qemus, podvm_leftovers,
                           qemus)
 from testbed.prereqs import require_root, require_tool
-from testbed.vmconfig import GUEST, guest_image, write_test_config
+from testbed.vmconfig import GUEST, guest_image, vmm_config, write_test_config
 from tests.podvm_node.test_monitor import Monitor, by_sandbox
 
 from .test_crictl import wait_for
@@ -53,17 +56,19 @@ def pod_mount_namespaces(ctd: Containerd, pod_id: str) -> set[str]:
             if ns is not None and ns != mount_namespace()}
 
 
-def cri_containerd(tmp_path_factory, image_cache, name: str, namespace: str, **qemu):
+def cri_containerd(tmp_path_factory, image_cache, name: str, namespace: str,
+                   vmm: str = "qemu", **qemu):
     """A fixture's body: a CRI containerd of its own with the test images and podvm
-    configured by `qemu` keys; afterwards nothing of it may be left."""
+    configured by `qemu` keys, its pods' VMs made by `vmm` (testbed/vmconfig.py VMMS);
+    afterwards nothing of it may be left."""
     require_root()
     for tool in ("containerd", "ctr"):
         require_tool(tool, "containerd")
     guest_image()
     workdir = tmp_path_factory.mktemp(name)
-    config = write_test_config(workdir / "podvm.toml", **qemu)
+    config = write_test_config(workdir / "podvm.toml", **{**vmm_config(vmm), **qemu})
     c = Containerd(workdir / "containerd", namespace=namespace, cri=True,
-                   podvm_config=config)
+                   podvm_config=config, vmm=vmm)
     c.start()
     try:
         c.import_cri_images(image_cache)
@@ -87,6 +92,17 @@ def crictl(ctd) -> Crictl:
 
 
 @pytest.fixture(scope="module")
+def fake_ctd(tmp_path_factory, image_cache):
+    yield from cri_containerd(tmp_path_factory, image_cache, "podvm-cri-fake",
+                              "podvm-fake-test", vmm="fake")
+
+
+@pytest.fixture(scope="module")
+def fake_crictl(fake_ctd) -> Crictl:
+    return Crictl(fake_ctd.cri_endpoint, timeout="120s")
+
+
+@pytest.fixture(scope="module")
 def configs(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("podvm-configs")
 
@@ -106,6 +122,15 @@ def start_container(crictl, configs, pod_id, pod_file, name, script) -> str:
 def remove_pod(crictl: Crictl, pod_id: str) -> None:
     crictl.run("stopp", pod_id, check=False)
     crictl.run("rmp", pod_id, check=False)
+
+
+@pytest.fixture(scope="module")
+def fake_pod(fake_ctd, fake_crictl, configs):
+    pod_id, pod_file = runp(fake_crictl, fake_ctd, configs, "fake-one")
+    try:
+        yield {"id": pod_id, "file": pod_file}
+    finally:
+        remove_pod(fake_crictl, pod_id)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +222,8 @@ def test_the_node_monitor_serves_the_running_pod(pod, tmp_path) -> None:
           f"{value('podvm_sandbox_agent_rtt_seconds') * 1000:.2f} ms")
 
 
-def test_exit_code_7_and_stop_gives_137(ctd, crictl, configs, pod) -> None:
+def test_exit_code_7_and_stop_gives_137(fake_crictl, configs, fake_pod) -> None:
+    crictl, pod = fake_crictl, fake_pod  # exit codes as the shim reports them: the host's
     seven = start_container(crictl, configs, pod["id"], pod["file"], "seven", "exit 7")
     status = wait_for("exit", lambda: (s := crictl.inspect(seven)["status"])["state"]
                       == "CONTAINER_EXITED" and s, timeout=60)
@@ -215,9 +241,11 @@ def test_exit_code_7_and_stop_gives_137(ctd, crictl, configs, pod) -> None:
                     / cid).exists()
 
 
-def test_stopping_a_container_that_has_just_exited_succeeds(crictl, configs, pod) -> None:
+def test_stopping_a_container_that_has_just_exited_succeeds(fake_crictl, configs,
+                                                            fake_pod) -> None:
     """Between a process's exit in the guest and containerd hearing of it, a stop must
     not fail: kubelet would see a failed stop of a finished container."""
+    crictl, pod = fake_crictl, fake_pod
     for i in range(3):
         cid = start_container(crictl, configs, pod["id"], pod["file"], f"quick-{i}", "exit 0")
         stopped = crictl.run("stop", cid, check=False)
@@ -250,7 +278,9 @@ def test_stop_and_remove_leave_nothing(ctd, crictl, configs) -> None:
     assert [in_mount_namespace(ns) for ns in namespaces] == [[], []]
 
 
-def test_a_guest_that_dies(ctd, crictl, configs) -> None:
+def test_a_guest_that_dies(fake_ctd, fake_crictl, configs) -> None:
+    """A FakeVM killed as QEMU would be: what the shim and containerd make of it."""
+    ctd, crictl = fake_ctd, fake_crictl
     pod_id, pod_file = runp(crictl, ctd, configs, "vm-dies")
     cid = start_container(crictl, configs, pod_id, pod_file, "victim", "sleep 1000")
     [vm] = pod_qemus(pod_id)

@@ -1,6 +1,9 @@
 """The whole Task API driven as containerd drives it (ttrpc on the shim's socket, FIFOs
-for stdio), on a real VM: what ctr and the CRI do not reach easily — stdin, terminals,
-pause, pids, kill --all, bad requests."""
+for stdio): what ctr and the CRI do not reach easily — stdin, terminals, pause, pids,
+kill --all, bad requests, concurrent calls. What the shim does with them is the host's
+and the agent protocol's, so these run on a FakeVM (testbed/fakevm.py: real processes
+behind the same agent calls, no guest); the exec probes' count of the guest agent's
+open files is the guest's, on a real VM."""
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +28,12 @@ def rootfs(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture
 async def shim(tmp_path, rootfs):
+    async with task_shim(tmp_path, rootfs, vmm="fake") as ctx:
+        yield ctx
+
+
+@pytest.fixture
+async def vm_shim(tmp_path, rootfs):
     async with task_shim(tmp_path, rootfs) as ctx:
         yield ctx
 
@@ -202,33 +211,33 @@ PROBE = {"args": ["sh", "-c", "set -- /proc/1/fd/*; echo $#"], "cwd": "/", "env"
 """An exec that prints how many files the guest agent (PID 1 of the guest) holds open."""
 
 
-async def test_exec_probes_leave_nothing_in_the_guest(shim) -> None:
+async def test_exec_probes_leave_nothing_in_the_guest(vm_shim) -> None:
     """kubelet runs an exec probe (ExecSync: Exec, Start, Wait, Delete) every few seconds
     for the life of a container, here always under one id: each Delete makes the guest
     forget the exec, so its id is free again, and the agent holds no more open files
     (an exec's stdio) after the last round than after the first. The container shares
     the guest's pid namespace (hostPID, as it were), so that its execs see the agent."""
-    bundle = workload_bundle(shim, "probed", args=["sleep", "1000"])
+    bundle = workload_bundle(vm_shim, "probed", args=["sleep", "1000"])
     config = json.loads((bundle / "config.json").read_text())
     config["linux"]["namespaces"] = [ns for ns in config["linux"]["namespaces"]
                                      if ns["type"] != "pid"]
     (bundle / "config.json").write_text(json.dumps(config))
-    await create(shim, "probed", bundle, Fifos(shim["tmp"], "probed"))
-    await call(shim, "Start", api.StartRequest(id="probed"), api.StartResponse)
+    await create(vm_shim, "probed", bundle, Fifos(vm_shim["tmp"], "probed"))
+    await call(vm_shim, "Start", api.StartRequest(id="probed"), api.StartResponse)
     open_files = []
     for i in range(EXEC_ROUNDS):
-        fifos = Fifos(shim["tmp"], f"probe-{i}")
+        fifos = Fifos(vm_shim["tmp"], f"probe-{i}")
         req = api.ExecProcessRequest(id="probed", exec_id="probe", **fifos.request_fields())
         req.spec.type_url = "types.containerd.io/opencontainers/runtime-spec/1/Process"
         req.spec.value = json.dumps(PROBE).encode()
         async with asyncio.timeout(60):
-            await call(shim, "Exec", req)
-            await call(shim, "Start", api.StartRequest(id="probed", exec_id="probe"),
+            await call(vm_shim, "Exec", req)
+            await call(vm_shim, "Start", api.StartRequest(id="probed", exec_id="probe"),
                        api.StartResponse)
             out = await fifos.read(fifos.out, b"\n")
-            waited = await call(shim, "Wait", api.WaitRequest(id="probed", exec_id="probe"),
+            waited = await call(vm_shim, "Wait", api.WaitRequest(id="probed", exec_id="probe"),
                                 api.WaitResponse)
-            deleted = await call(shim, "Delete", api.DeleteRequest(id="probed",
+            deleted = await call(vm_shim, "Delete", api.DeleteRequest(id="probed",
                                                                    exec_id="probe"),
                                  api.DeleteResponse)
         try:
@@ -240,13 +249,13 @@ async def test_exec_probes_leave_nothing_in_the_guest(shim) -> None:
         assert waited.exit_status == deleted.exit_status == 0 and not err, (i, out, err)
         open_files.append(int(out))
     with pytest.raises(TtrpcError) as gone:
-        await call(shim, "State", api.StateRequest(id="probed", exec_id="probe"))
+        await call(vm_shim, "State", api.StateRequest(id="probed", exec_id="probe"))
     assert gone.value.code == Code.NOT_FOUND
     # Without the forgetting, the two pipes of each finished exec would stay open (+2 a
     # round). The least of the last rounds: an fd the agent holds for a moment (a runc
     # call's pipe) may be counted in any one round.
     assert open_files[0] > 3 and min(open_files[-5:]) <= max(open_files[:5]), open_files
     async with asyncio.timeout(30):
-        await call(shim, "Kill", api.KillRequest(id="probed", signal=9))
-        await call(shim, "Wait", api.WaitRequest(id="probed"), api.WaitResponse)
-    await call(shim, "Delete", api.DeleteRequest(id="probed"), api.DeleteResponse)
+        await call(vm_shim, "Kill", api.KillRequest(id="probed", signal=9))
+        await call(vm_shim, "Wait", api.WaitRequest(id="probed"), api.WaitResponse)
+    await call(vm_shim, "Delete", api.DeleteRequest(id="probed"), api.DeleteResponse)

@@ -8,6 +8,7 @@ import os
 import pathlib
 import uuid
 
+from podvm_core.pb.containerd.runtime.bootstrap.v1 import bootstrap_pb2
 from podvm_core.pb.containerd.runtime.sandbox.v1 import sandbox_pb2 as sb
 from podvm_core.pb.containerd.services.events.ttrpc.v1 import events_pb2
 from podvm_core.pb.cri import api_pb2 as cri
@@ -17,12 +18,22 @@ from testbed.namespaces import run_namespace
 from testbed.prereqs import require_root
 from testbed.shimproc import daemon_pid, run_shim
 from testbed.taskshim import EventSink, remove_cgroup_dirs
-from testbed.vmconfig import write_test_config
+from testbed.vmconfig import vmm_config, vmm_env, write_test_config
 
 SANDBOX = "containerd.runtime.sandbox.v1.Sandbox"
 NS = run_namespace("podvm-sbapi-test")
 MIB = 1 << 20
 KATA_DEFAULT_MEMORY = "io.katacontainers.config.hypervisor.default_memory"
+
+
+def start_address(stdout: bytes) -> str:
+    """The address in `start`'s answer: bare, or in the BootstrapResult it answers to
+    containerd 2.3's BootstrapParams (shim/contract/bootstrap.py)."""
+    if stdout.startswith(b"unix://"):
+        return stdout.decode()
+    result = bootstrap_pb2.BootstrapResult.FromString(stdout)
+    assert (result.version, result.protocol) == (2, "ttrpc"), result
+    return result.address
 
 
 class Pod:
@@ -82,11 +93,13 @@ class Pod:
 
 @contextlib.asynccontextmanager
 async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ...] = (),
-                       runtime_options: bytes | None = None, env_config: bool = True):
+                       runtime_options: bytes | None = None, env_config: bool = True,
+                       vmm: str = "qemu"):
     """The shim as containerd 2.x starts it for a sandbox; afterwards `delete` (as
     containerd runs it for a gone shim) and kubelet's pod cgroup removed.
     `runtime_options`: what containerd writes to `start`'s stdin (a marshalled Any);
-    `env_config`: False starts it without $PODVM_CONFIG naming the test configuration."""
+    `env_config`: False starts it without $PODVM_CONFIG naming the test configuration;
+    `vmm`: what makes its VMs (testbed/vmconfig.py VMMS: "fake", testbed/fakevm.py's)."""
     require_root()
     sandbox_id = f"sbapi-{uuid.uuid4().hex[:8]}"
     grpc = str(tmp_path / "containerd.sock")
@@ -97,15 +110,16 @@ async def sandbox_shim(tmp_path: pathlib.Path, enable_annotations: tuple[str, ..
     bundle.mkdir()
     (bundle / "log").touch()  # the daemon logs here (containerd gives it a FIFO)
     config = write_test_config(tmp_path / "podvm.toml", default_maxvcpus=2, boot_timeout=90,
-                               enable_annotations=enable_annotations)
-    env = dict(os.environ, PODVM_CONFIG=str(config), TTRPC_ADDRESS=grpc + ".ttrpc")
+                               enable_annotations=enable_annotations, **vmm_config(vmm))
+    env = vmm_env(dict(os.environ, PODVM_CONFIG=str(config), TTRPC_ADDRESS=grpc + ".ttrpc"),
+                  vmm)
     if not env_config:
         del env["PODVM_CONFIG"]
     assert not (bundle / "config.json").exists()
     started = run_shim(bundle, sandbox_id, "start", grpc, namespace=NS, env=env,
                        stdin=runtime_options)
     assert started.returncode == 0, started.stderr
-    address = started.stdout.decode()
+    address = start_address(started.stdout)
     parent = f"/podvm-sbapi-{uuid.uuid4().hex[:8]}"
     client = await Client.connect(address, metadata=[("containerd-namespace-ttrpc", NS)])
     try:

@@ -3,7 +3,8 @@ on the real shim binary with a real VM (TCG): Create plans without booting, Star
 the VM in the pod's sandbox cgroup, a container joins the pod through the Task API of
 the same shim (its `start` finds the sandbox's daemon), UpdateSandbox grows and shrinks
 the VM and the sandbox cgroup, status and metrics report both, Stop ends the container
-still running, and Shutdown leaves nothing behind."""
+still running, and Shutdown leaves nothing behind. A VM that dies (the host's side of
+it) on a FakeVM (testbed/fakevm.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -241,7 +242,9 @@ async def test_a_pod_through_the_sandbox_api(tmp_path, rootfs) -> None:
 
 
 async def test_a_vm_that_dies_ends_the_sandbox_and_shutdown_cleans_up(tmp_path) -> None:
-    async with sandbox_shim(tmp_path) as pod:
+    """What the shim does when its VM dies is the host's: on a FakeVM (testbed/fakevm.py),
+    a real process killed as QEMU would be."""
+    async with sandbox_shim(tmp_path, vmm="fake") as pod:
         await pod.create(pod.config(memory=64 * MIB))
         # two Starts at once (a retry racing the first): one VM, the other refused
         results = await asyncio.gather(*(pod.call(

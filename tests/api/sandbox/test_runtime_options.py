@@ -17,7 +17,7 @@ from podvm_core.pb.cri import api_pb2 as cri
 from podvm_core.ttrpc import Code, TtrpcError
 from shim.api.options import RUNTIME_OPTIONS, load_config, saved_options
 from shim.host.paths import RUNTIME_OPTIONS_FILE
-from testbed.vmconfig import write_test_config
+from testbed.vmconfig import vmm_config, write_test_config
 
 from tests.api.sandbox.harness import MIB, sandbox_shim
 
@@ -128,10 +128,12 @@ async def test_bad_options_refuse_the_sandbox_and_make_nothing(tmp_path, data) -
 
 async def test_a_private_configuration_boots_the_pod(tmp_path) -> None:
     """No $PODVM_CONFIG and no system file: only the options name a configuration that
-    can boot; its default_memory shows in the plan."""
-    private = private_config(tmp_path, default_memory=288, boot_timeout=90)
+    can boot; its default_memory shows in the plan. Which configuration the shim loads
+    is the host's business: the pod boots a FakeVM (testbed/fakevm.py)."""
+    private = private_config(tmp_path, default_memory=288, boot_timeout=90,
+                             **vmm_config("fake"))
     async with sandbox_shim(tmp_path, runtime_options=bootstrap(runtime_options(str(private))),
-                            env_config=False) as pod:
+                            env_config=False, vmm="fake") as pod:
         await pod.create(pod.config(memory=64 * MIB))
         await pod.call("StartSandbox", sb.StartSandboxRequest(sandbox_id=pod.id),
                        sb.StartSandboxResponse)
