@@ -17,8 +17,9 @@ podvm's own packages with their pinned dependencies, and the Rust virtiofsd
                     lib/python3/dist-packages (podvm and its dependencies)
     etc/configuration.toml, manifest.json, inputs.sha256
 
-Each binary's interpreter is /opt/podvm/lib/ld.so and its RUNPATH leads to lib/ from
-$ORIGIN (podvm_node/elfpatch.py), so nothing is looked up in the host's /usr. QEMU finds
+Each binary's interpreter is /opt/podvm/lib/ld.so (`podvm-node install` rewrites it to
+its tree's, /opt/podvm/<name>/lib/ld.so: podvm_node/hostfiles.py) and its RUNPATH leads
+to lib/ from $ORIGIN (podvm_node/elfpatch.py), so nothing is looked up in the host's /usr. QEMU finds
 its firmware beside itself (QEMU looks in ../share/qemu relative to its binary; the
 shim's -bios path and QEMU's jail follow the binary: shim/vm/qemu/command.py,
 shim/vm/qemu/jail.py). Built again only when its inputs change (inputs.sha256, as

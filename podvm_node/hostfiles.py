@@ -1,20 +1,26 @@
 """Files podvm-node puts on the host, and the record of them (HOST/opt/podvm/.installed,
 JSON) from which uninstall takes out exactly what install added: the directories it
-made, the files it wrote, the bytes it put into containerd's config.toml."""
+made, the files it wrote, the bytes it put into containerd's config.toml. The bundle
+itself is a tree of its own, /opt/podvm/<name>, with /opt/podvm/current linking to the
+newest (podvm_core/trees.py)."""
 from __future__ import annotations
 
-import ctypes
+import hashlib
 import json
 import os
-import shutil
 import stat
 from dataclasses import asdict, dataclass, field
 
+from podvm_core import treegc, trees
+
+from . import elfpatch
 from .containerd_dropin import Edit
 
 PREFIX = "/opt/podvm"
 RECORD = PREFIX + "/.installed"
-AT_FDCWD, RENAME_EXCHANGE = -100, 2
+CURRENT = PREFIX + "/" + trees.CURRENT
+RELOCATED = ("bin", "libexec", "python/bin")
+"""Where the bundle's executables are: their loader and #! paths name the tree."""
 
 
 @dataclass
@@ -99,35 +105,140 @@ def copy_sparse(src: str, dst: str) -> None:
             os.close(fd)
 
 
-def swap_in(staged: str, target: str) -> None:
-    """`staged` becomes `target` in one step (renameat2 RENAME_EXCHANGE on an upgrade),
-    the old tree is then removed."""
-    if not os.path.exists(target):
-        os.rename(staged, target)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(AT_FDCWD, staged.encode(), AT_FDCWD, target.encode(),
-                      RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"exchanging {staged} and {target}: {os.strerror(err)}")
-    shutil.rmtree(staged)
-
-
-def remove(host: str, record: Record) -> list[str]:
-    """What install wrote, then the directories it made (only if empty: what someone
-    else put there stays); returns the paths left."""
-    left = []
-    for path in record.files:
+def tree_name(bundle: str) -> str:
+    """The bundle's tree name: its content's (manifest.json and inputs.sha256, which
+    bundle.py writes from every input), so a rebuilt bundle is a new tree."""
+    digest = hashlib.sha256()
+    for name in ("manifest.json", "inputs.sha256"):
         try:
-            os.unlink(host + path)
+            with open(os.path.join(bundle, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read() + b"\0")
         except FileNotFoundError:
             pass
-    shutil.rmtree(host + PREFIX, ignore_errors=True)
+    return digest.hexdigest()[:trees.NAME_LENGTH]
+
+
+def same_content(bundle: str, tree: str) -> bool:
+    for name in ("manifest.json", "inputs.sha256"):
+        paths = (os.path.join(bundle, name), os.path.join(tree, name))
+        blobs = []
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    blobs.append(f.read())
+            except FileNotFoundError:
+                blobs.append(None)
+        if blobs[0] != blobs[1]:
+            return False
+    return True
+
+
+def relocate(staged: str, tree: str) -> None:
+    """The bundle copied to `staged` made to run from `tree` (/opt/podvm/<name>): each
+    executable's loader is the tree's own lib/ld.so (not a link through `current`,
+    which would hand an old shim's next QEMU a new loader), each script's #! the tree's
+    Python."""
+    old_loader = f"{PREFIX}/lib/ld.so"
+    for sub in RELOCATED:
+        directory = os.path.join(staged, sub)
+        if not os.path.isdir(directory):
+            continue
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                head = f.read(4096)
+            if head.startswith(b"\x7fELF"):
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    loader = elfpatch.interpreter(data)
+                except elfpatch.ElfPatchError:
+                    continue
+                if loader == old_loader:
+                    elfpatch.set_interpreter(path, f"{tree}/lib/ld.so")
+            elif head.startswith(b"#!" + PREFIX.encode() + b"/"):
+                with open(path, "rb") as f:
+                    first, _, rest = f.read().partition(b"\n")
+                program, _, args = first[2:].decode().partition(" ")
+                line = f"#!{trees.resolve(program, tree)}" + (f" {args}" if args else "")
+                mode = os.stat(path).st_mode & 0o7777
+                with open(path + ".new", "wb") as f:
+                    f.write(line.encode() + b"\n" + rest)
+                os.chmod(path + ".new", mode)
+                os.rename(path + ".new", path)
+
+
+def read_note(host: str) -> list[str]:
+    """What an uninstall under running pods left for their last shim (trees.RETIRED)."""
+    try:
+        with open(host + PREFIX + "/" + trees.RETIRED) as f:
+            return [line.strip() for line in f.read().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def point_current(host: str, name: str) -> None:
+    """/opt/podvm/current -> `name`, in one step (a new link renamed over the old):
+    a shim started from now on resolves the new tree."""
+    link = host + CURRENT
+    new = link + ".new"
+    try:
+        os.unlink(new)
+    except FileNotFoundError:
+        pass
+    os.symlink(name, new)
+    os.rename(new, link)
+
+
+def remove(host: str, record: Record, links: tuple[str, ...] = ()) -> tuple[list[str],
+                                                                           list[str]]:
+    """What install wrote, `current`, the trees no process uses, then the directories it
+    made (only if empty: what someone else put there stays); returns the paths left and
+    the trees still in use. Trees in use stay, with `current` and `links` (containerd
+    finds a running pod's shim again through its link), and a note (trees.RETIRED)
+    naming those links and the directories install made: the last of their shims to exit
+    removes them (podvm_core/treegc.py)."""
+    prefix = host + PREFIX
+    kept = [p for p in record.files if p in links]
+    note = [*kept, *record.directories]
+    fd = None
+    if trees.names(prefix):
+        with open(prefix + "/" + trees.RETIRED + ".new", "w") as f:
+            f.write("".join(p + "\n" for p in note))
+        os.rename(prefix + "/" + trees.RETIRED + ".new", prefix + "/" + trees.RETIRED)
+        fd = treegc.lock(host)  # a shim exiting meanwhile waits, then sees what is left
+    try:
+        treegc.collect(host, keep_current=False)
+        in_use = trees.names(prefix)
+        if in_use:
+            try:
+                current = os.readlink(host + CURRENT)
+            except OSError:
+                current = ""
+            if current not in in_use:
+                point_current(host, in_use[-1])
+        else:
+            kept = []
+            treegc.finish(host, [])
+        for path in [*record.files, RECORD]:
+            if path not in kept:
+                try:
+                    os.unlink(host + path)
+                except FileNotFoundError:
+                    pass
+    finally:
+        if fd is not None:
+            os.close(fd)
+    left = []
     for directory in reversed(record.directories):
+        if in_use and any((p + "/").startswith(directory + "/") for p in [PREFIX, *kept]):
+            continue  # the note's: the last shim removes it
         try:
             os.rmdir(host + directory)
         except FileNotFoundError:
             pass
         except OSError:
             left.append(directory)
-    return left
+    return left, [f"{PREFIX}/{n}" for n in in_use]

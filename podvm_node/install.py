@@ -4,14 +4,24 @@
 install checks the host first (podvm_node/hostcheck.py: /dev/kvm where accel = "kvm",
 a cgroup layout the shim knows, a containerd version and config.toml it can serve) and
 refuses with one line, changing nothing; then it copies the bundle (podvm_node/bundle.py)
-to /opt/podvm (a new tree renamed into place, on an upgrade too), links the shim into
-/usr/local/bin (containerd 1.6 runs shims from its PATH whatever runtime_path says:
+to a tree of its own, /opt/podvm/<name> (<name>: 6 hex digits of the bundle's content;
+its binaries' loader and scripts' Python are that tree's own), switches
+/opt/podvm/current to it in one step, links the shim into /usr/local/bin through
+`current` (containerd 1.6 runs shims from its PATH whatever runtime_path says:
 containerd/containerd#8207), writes /etc/podvm/configuration.toml if there is none,
 adds podvm's runtimes through a drop-in (podvm_node/containerd_dropin.py), restarts
 containerd and waits for its socket, labels the node, and makes the default shape's VM
 template (`podvmctl templates warm` on the host: the node's first pod is restored, not
 booted; a failure there is said, and pods boot). Each change is recorded in
-/opt/podvm/.installed; uninstall undoes exactly those and restarts containerd again."""
+/opt/podvm/.installed; uninstall undoes exactly those and restarts containerd again.
+
+Upgrades under running pods: a shim resolves `current` once, when containerd runs it
+for a new pod, and keeps to its tree until it exits (podvm_core/trees.py: the
+configuration's /opt/podvm paths are its own tree's; `delete` runs the pod's own tree's
+shim), so an install while pods run changes nothing for them. A tree no process uses any
+more is removed by the next install (and by `podvm-node uninstall`). Uninstall while pods
+run takes out everything but the trees they use, which their shims keep; the last of
+them to exit removes those and /opt/podvm (podvm_core/treegc.py)"""
 from __future__ import annotations
 
 import argparse
@@ -27,14 +37,18 @@ import tempfile
 import time
 from typing import Callable
 
+from podvm_core import treegc, trees
+
 from . import containerd_dropin as dropin
 from . import hostcheck, hostfiles, nodelabel
 from .containerd_dropin import Refusal
 
 SHIM_LINK = "/usr/local/bin/containerd-shim-podvm-v2"
-SHIM = hostfiles.PREFIX + "/bin/containerd-shim-podvm-v2"
+SHIM = hostfiles.CURRENT + "/bin/containerd-shim-podvm-v2"
+FLAT_SHIM = hostfiles.PREFIX + "/bin/containerd-shim-podvm-v2"
+"""The link's target before versioned trees (an upgrade from then replaces it)."""
 RESTART = "nsenter --target 1 --mount -- systemctl restart containerd"
-WARM = (f"nsenter --target 1 --mount -- {hostfiles.PREFIX}/bin/podvmctl templates warm "
+WARM = (f"nsenter --target 1 --mount -- {hostfiles.CURRENT}/bin/podvmctl templates warm "
         f"--config /etc/podvm/configuration.toml")
 SOCKET_TIMEOUT = 60.0
 WARM_TIMEOUT = 600.0
@@ -100,7 +114,8 @@ def check(host: str, bundle: str, version_text: str | None,
     plan = dropin.plan(host, release, default_config or
                        (lambda: hostcheck.containerd_default_config(host)))
     link = host + SHIM_LINK
-    if os.path.lexists(link) and not (os.path.islink(link) and os.readlink(link) == SHIM):
+    if os.path.lexists(link) and not (os.path.islink(link) and
+                                      os.readlink(link) in (SHIM, FLAT_SHIM)):
         raise Refusal(f"{SHIM_LINK} exists and is not podvm-node's (make install?): "
                       f"remove it first: nothing changed")
     return plan
@@ -115,22 +130,48 @@ def install(host: str, bundle: str, restart: Restart | None = None,
     `default_config`: as check's."""
     plan = check(host, bundle, version_text, mountinfo, default_config)
     record = hostfiles.load(host) or hostfiles.Record()
+    note = _take_over_note(host, record)
     before = copy.deepcopy(record)
-    staged = ""
+    name = hostfiles.tree_name(bundle)
+    tree = f"{hostfiles.PREFIX}/{name}"
+    _check_flat(host)
+    if os.path.isdir(host + tree) and not hostfiles.same_content(bundle, host + tree):
+        raise Refusal(f"{tree} holds another bundle than {bundle} (its name's 6 digits "
+                      f"collide): uninstall first: nothing changed")
+    staged = made = ""
     try:
-        hostfiles.make_dirs(host, os.path.dirname(hostfiles.PREFIX), record)
-        staged = tempfile.mkdtemp(prefix=".podvm-", dir=host + os.path.dirname(hostfiles.PREFIX))
-        os.rmdir(staged)
-        hostfiles.copy_tree(bundle, staged)
+        hostfiles.make_dirs(host, hostfiles.PREFIX, record)
+        if hostfiles.PREFIX not in record.directories:  # an install before versioned trees
+            record.directories.append(hostfiles.PREFIX)
+        _remove_flat(host)
+        if not os.path.isdir(host + tree):  # the same bundle again: its tree as it is
+            staged = tempfile.mkdtemp(prefix=".podvm-", dir=host + hostfiles.PREFIX)
+            os.rmdir(staged)
+            hostfiles.copy_tree(bundle, staged)
+            hostfiles.relocate(staged, tree)
+            os.rename(staged, host + tree)
+            staged, made = "", host + tree
         _configure(host, bundle, plan, record)
-        hostfiles.save(record, staged + "/.installed")
-        hostfiles.swap_in(staged, host + hostfiles.PREFIX)
+        hostfiles.save(record, host + hostfiles.RECORD + ".new")
+        os.rename(host + hostfiles.RECORD + ".new", host + hostfiles.RECORD)
+        hostfiles.point_current(host, name)
+        if note:
+            os.unlink(f"{host}{hostfiles.PREFIX}/{trees.RETIRED}")
     except BaseException:
-        if staged:
-            shutil.rmtree(staged, ignore_errors=True)
+        for path in (staged, made):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
         _undo_new(host, before, record)
         raise
-    say(f"podvm installed in {hostfiles.PREFIX} (containerd config version {plan.version})")
+    say(f"podvm installed in {tree} ({hostfiles.CURRENT} now; containerd config version "
+        f"{plan.version})")
+    collected = treegc.collect(host)
+    if collected:
+        say(f"removed trees no process uses any more: {', '.join(collected)}")
+    in_use = [n for n in trees.names(host + hostfiles.PREFIX) if n != name]
+    if in_use:
+        say(f"kept for their running pods: {', '.join(in_use)} (removed by a later install "
+            f"once they are gone)")
     (restart or command_restart(RESTART, host, plan.socket))()
     say("containerd restarted")
     say(nodelabel.set_label(nodelabel.VALUE))
@@ -139,6 +180,47 @@ def install(host: str, bundle: str, restart: Restart | None = None,
             say(f"templates warmed: {warm()}")
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             say(f"templates not warmed (pods boot until a pod's shim makes one): {exc}")
+
+
+def _take_over_note(host: str, record: hostfiles.Record) -> list[str]:
+    """An uninstall under running pods left its note (what install had made, which their
+    last shim was to remove): installed again, the record has them back (the note goes
+    once the install stands). Returns the note."""
+    note = hostfiles.read_note(host)
+    for path in note:
+        if os.path.islink(host + path):
+            _add(record.files, path)
+        elif os.path.isdir(host + path) and path not in record.directories:
+            below = [i for i, d in enumerate(record.directories)
+                     if d.startswith(path + "/")]  # parents first
+            record.directories.insert(below[0] if below else len(record.directories), path)
+    return note
+
+
+def _check_flat(host: str) -> None:
+    """An install from before versioned trees (the bundle's files right in /opt/podvm) is
+    replaced only with no pod on it: its shims run from those very paths."""
+    if not os.path.exists(host + hostfiles.PREFIX + "/manifest.json"):
+        return
+    running = hostcheck.running_shims(host)
+    if running:
+        raise Refusal(f"{len(running)} podvm pod(s) run from {hostfiles.PREFIX} as an "
+                      f"earlier podvm-node installed it, without versioned trees "
+                      f"({running[0]}...): delete them first, this once: nothing changed")
+
+
+def _remove_flat(host: str) -> None:
+    prefix = host + hostfiles.PREFIX
+    if not os.path.exists(prefix + "/manifest.json"):
+        return
+    for entry in os.listdir(prefix):
+        path = os.path.join(prefix, entry)
+        if entry == ".installed" or trees.is_name(entry):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 def _undo_new(host: str, before: hostfiles.Record, after: hostfiles.Record) -> None:
@@ -162,7 +244,10 @@ def _configure(host: str, bundle: str, plan: dropin.Plan, record: hostfiles.Reco
     hostfiles.make_dirs(host, os.path.dirname(SHIM_LINK), record)
     if not os.path.islink(host + SHIM_LINK):
         os.symlink(SHIM, host + SHIM_LINK)
-        _add(record.files, SHIM_LINK)
+    elif os.readlink(host + SHIM_LINK) != SHIM:  # to the flat layout's shim
+        os.symlink(SHIM, host + SHIM_LINK + ".podvm-new")
+        os.rename(host + SHIM_LINK + ".podvm-new", host + SHIM_LINK)
+    _add(record.files, SHIM_LINK)
     conf = "/etc/podvm/configuration.toml"
     if not os.path.exists(host + conf):
         hostfiles.make_dirs(host, os.path.dirname(conf), record)
@@ -203,16 +288,25 @@ def uninstall(host: str, restart: Restart | None = None,
     if record is None:
         say(f"podvm-node installed nothing here (no {hostfiles.RECORD}): nothing to do")
         return
-    running = hostcheck.running_shims(host)
-    if running:
-        raise Refusal(f"{len(running)} podvm pod(s) still run here ({running[0]}...): "
-                      f"delete them first (containerd needs the shim to): nothing changed")
+    if os.path.exists(host + hostfiles.PREFIX + "/manifest.json"):  # before versioned trees
+        running = hostcheck.running_shims(host)
+        if running:
+            raise Refusal(f"{len(running)} podvm pod(s) still run here ({running[0]}...) "
+                          f"from {hostfiles.PREFIX} as an earlier podvm-node installed it: "
+                          f"delete them first (their shims run from it): nothing changed")
+        _remove_flat(host)
+        if hostfiles.PREFIX not in record.directories:
+            record.directories.append(hostfiles.PREFIX)
     _, data = dropin.read_config(host)
     if record.edit is not None:
         say(dropin.undo_edit(host, record.edit))
-    left = hostfiles.remove(host, record)
+    left, in_use = hostfiles.remove(host, record, links=(SHIM_LINK,))
     if left:
         say(f"left in place (not empty): {', '.join(left)}")
+    if in_use:
+        say(f"running podvm pods keep their shims' trees ({', '.join(in_use)}) and "
+            f"{SHIM_LINK} and run until deleted (no new podvm pod starts); the last of "
+            f"their shims to exit removes those and {hostfiles.PREFIX}")
     say(f"podvm removed from {hostfiles.PREFIX}")
     (restart or command_restart(RESTART, host, dropin.socket(data)))()
     say("containerd restarted")

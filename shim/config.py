@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from podvm_core import trees
 from podvm_core.cpulist import parse_cpu_list
 
 DEFAULT_PATH = "/etc/podvm/configuration.toml"
@@ -30,7 +31,8 @@ by its answer to --print-capabilities)."""
 
 
 def default_virtio_fs_daemon() -> str:
-    return next((p for p in VIRTIO_FS_DAEMONS if os.path.isfile(p)), VIRTIO_FS_DAEMONS[0])
+    daemons = [trees.resolve(p) for p in VIRTIO_FS_DAEMONS]
+    return next((p for p in daemons if os.path.isfile(p)), daemons[0])
 
 
 def is_legacy_virtio_fs_daemon(path: str) -> bool:
@@ -213,8 +215,15 @@ def parse(data: dict[str, Any], source: str) -> Config:
                 config = _apply(config, f"hypervisor.{name}", section, source)
         else:
             config = _apply(config, top, value, source)
+    config = replace(config, qemu=replace(config.qemu, **{
+        key: trees.resolve(getattr(config.qemu, key)) for key in TREE_PATHS}))
     _check(config, source)
     return config
+
+
+TREE_PATHS = ("path", "kernel", "initrd", "image", "virtio_fs_daemon", "scratch_mke2fs")
+"""Paths that name podvm's install (/opt/podvm/bin/...): a shim run from an installed
+tree takes them from its own tree (podvm_core/trees.py), whatever `current` is now."""
 
 
 def _apply(config: Config, section: str, values: Any, source: str) -> Config:

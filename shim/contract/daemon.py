@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2
+from podvm_core import treegc
 from podvm_core.ttrpc import Server, Service, bind
 
 from ..api import errors
@@ -49,6 +50,10 @@ def serve(flags: Flags, sock: socket.socket | None = None) -> int:
     except Exception:
         log.exception("shim daemon failed")
         return 1
+    finally:
+        # after an uninstall under this pod: its tree goes with its last process
+        # (`delete`, if containerd runs it, collects too)
+        treegc.collect_retired_own()
     return 0
 
 

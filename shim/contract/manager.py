@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from podvm_core import trees
 from podvm_core.atomic import write_atomic
 
 from ..host import paths, shimstate
@@ -31,6 +32,7 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
     address = paths.socket_address(flags.address, flags.namespace, group)
     sock = _bind(paths.socket_path(address))
     if sock is None:  # the pod's daemon is alive and serves this container too
+        _write_tree(bundle, (shimstate.read(flags.namespace, group) or {}).get("tree"))
         _write_address(bundle, address)
         sys.stdout.buffer.write(bootstrap.answer(stdin, address))
         return 0
@@ -41,8 +43,11 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
         os.unlink(paths.socket_path(address))
         raise
     sock.close()
+    tree = trees.own()
     shimstate.write(flags.namespace, group,
-                    {"pid": pid, "address": address, "bundle": bundle, "id": flags.id})
+                    {"pid": pid, "address": address, "bundle": bundle, "id": flags.id,
+                     "tree": tree})
+    _write_tree(bundle, tree)
     _write_address(bundle, address)
     sys.stdout.buffer.write(bootstrap.answer(stdin, address))
     return 0
@@ -144,6 +149,31 @@ def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
         os._exit(code)  # never back into `start`: its caller's cleanup is not ours
 
 
+def _write_tree(bundle: str, tree: str | None) -> None:
+    """Which installed tree serves the container (podvm_core/trees.py): its `delete` runs
+    that tree's shim, whatever /opt/podvm/current is by then."""
+    if tree:
+        write_atomic(os.path.join(bundle, trees.TREE_FILE), tree.encode())
+
+
+def _own_tree_delete(bundle: str) -> None:
+    """A `delete` run from one installed tree for a container another tree's shim started
+    (an upgrade came between): exec that tree's shim, which knows its own state; where
+    that tree is gone (no process of it was left, so the daemon is gone), this one goes on."""
+    own = trees.own()
+    try:
+        with open(os.path.join(bundle, trees.TREE_FILE)) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return
+    if own is None or not recorded or recorded == own or trees.tree_of(recorded) != recorded:
+        return
+    shim = os.path.join(recorded, "bin", "containerd-shim-podvm-v2")
+    if os.path.isfile(shim):
+        sys.stdout.flush()
+        os.execv(shim, [shim, *sys.argv[1:]])
+
+
 def _write_address(bundle: str, address: str) -> None:
     write_atomic(os.path.join(bundle, "address"), address.encode())
 
@@ -157,10 +187,12 @@ def delete(flags: Flags) -> int:
     """Clean up after a container whose daemon is gone (or never answered), from the
     persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says).
     Then sweep what earlier `delete`s that containerd killed left in the namespace."""
+    _own_tree_delete(flags.bundle_dir)
     # Here, not at the top: `start` imports this module, and needs neither.
     from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
 
-    from ..host.cleanup import cleanup_container, sweep_stale  # as above
+    from ..host.cleanup import (cleanup_container, collect_retired_trees,  # as above
+                                sweep_stale)
 
     started = time.monotonic()
     bundle = flags.bundle_dir
@@ -172,6 +204,7 @@ def delete(flags: Flags) -> int:
     took = time.monotonic() - started
     swept = sweep_stale(flags.namespace, time.monotonic() + SWEEP_UNTIL - _since_start())
     _say_done(flags.id, took, swept)
+    collect_retired_trees()  # after an uninstall under this pod: its tree, if the last
     return 0
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import psutil
 
 import cgroups
+from podvm_core import treegc
 
 from . import jailids, mountns, paths, shimstate
 from .mounts import mounts_under, unmount, unmount_all
@@ -43,6 +44,12 @@ def remove_shim_state(namespace: str, group: str, address: str | None) -> None:
     # Shared parents (/run/podvm/<namespace>) stay: removing them would race with
     # another pod's `start` creating its directory there.
     remove_tree(state_dir)
+
+
+def collect_retired_trees() -> None:
+    """`delete`'s last step: after an uninstall under this pod, its tree and what install
+    made go with the pod's last process (podvm_core/treegc.py)."""
+    treegc.collect_retired_own()
 
 
 def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:

@@ -1,0 +1,128 @@
+"""Removing podvm's install trees (podvm_core/trees.py) once no process uses them: by
+`podvm-node install` and `uninstall`, and by a shim's daemon as it exits after an
+uninstall that left its tree (collect_retired). Not for `start`, which stays light."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+
+from . import trees
+
+
+def users(paths: list[str], exclude: int = 0, proc: str = "/proc") -> dict[str, list[int]]:
+    """tree -> the pids whose executable, working directory or a mapped file is inside it
+    (`paths`: trees' paths as the processes see them)."""
+    found: dict[str, list[int]] = {t: [] for t in paths}
+    inside = tuple(t.rstrip("/") + "/" for t in paths)
+    for entry in os.listdir(proc):
+        if not entry.isdigit() or int(entry) == exclude:
+            continue
+        seen: list[str] = []
+        for link in ("exe", "cwd"):
+            try:
+                seen.append(os.readlink(f"{proc}/{entry}/{link}") + "/")
+            except OSError:
+                pass
+        try:
+            with open(f"{proc}/{entry}/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith("/"):
+                        seen.append(fields[5].rstrip("\n"))
+        except OSError:
+            pass
+        for path in seen:
+            for tree, prefix in zip(paths, inside):
+                if path.startswith(prefix) and int(entry) not in found[tree]:
+                    found[tree].append(int(entry))
+    return found
+
+
+def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list[str]:
+    """Remove the trees under the host's /opt/podvm that no process uses (`current`'s
+    stays unless not `keep_current`); the names removed. A tree's processes see it at
+    /opt/podvm/<name> (the host's own path) or, in a test's scratch root, at
+    <host>/opt/podvm/<name>: either counts."""
+    prefix = host + trees.PREFIX
+    try:
+        current = os.readlink(os.path.join(prefix, trees.CURRENT)) if keep_current else ""
+    except OSError:
+        current = ""
+    candidates = [n for n in trees.names(prefix) if n != current]
+    seen_as = {n: [f"{trees.PREFIX}/{n}"] + ([f"{prefix}/{n}"] if host else [])
+               for n in candidates}
+    used = users([p for paths in seen_as.values() for p in paths], exclude)
+    removed = []
+    for name in candidates:
+        if any(used[p] for p in seen_as[name]):
+            continue
+        # renamed out of the way first: a half-removed tree is never a tree
+        doomed = os.path.join(prefix, f".gone-{name}")
+        try:
+            os.rename(os.path.join(prefix, name), doomed)
+        except FileNotFoundError:  # another collection took it
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def lock(host: str = "") -> int | None:
+    """The note's lock (trees.RETIRED), held until the fd is closed or the process ends:
+    one collection after an uninstall at a time. None: no note."""
+    try:
+        fd = os.open(os.path.join(host + trees.PREFIX, trees.RETIRED),
+                     os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def collect_retired(host: str = "") -> list[str]:
+    """After an uninstall that left trees in use (trees.RETIRED): the trees no other
+    process uses now, and once none is left, `current`, the links and directories the
+    note names (what install made), the note. Run by a shim's daemon as it exits; one at
+    a time (the lock stays held until the caller exits, so the next sees it gone)."""
+    fd = lock(host)
+    if fd is None:
+        return []
+    prefix = host + trees.PREFIX
+    removed = collect(host, keep_current=False, exclude=os.getpid())
+    if not trees.names(prefix):
+        with open(fd, closefd=False) as f:
+            f.seek(0)
+            finish(host, [line.strip() for line in f.read().splitlines() if line.strip()])
+    return removed
+
+
+def finish(host: str, note: list[str]) -> None:
+    """No tree is left: `current`, the note, the links it names, then its directories
+    (children first; only empty ones)."""
+    prefix = host + trees.PREFIX
+    for path in (os.path.join(prefix, trees.RETIRED), os.path.join(prefix, trees.CURRENT),
+                 *(host + p for p in note)):
+        if os.path.islink(path) or path.endswith(trees.RETIRED):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    for path in reversed(note):
+        try:
+            os.rmdir(host + path)
+        except OSError:
+            pass
+
+
+def collect_retired_own() -> None:
+    """collect_retired for a shim run from an installed tree, as its pod's last process
+    exits (the daemon on its way out; `delete`, which containerd runs once the daemon is
+    gone or kills it, last): errors said on stderr, never raised."""
+    if trees.own() is None:
+        return
+    try:
+        collect_retired()
+    except OSError as exc:
+        sys.stderr.write(f"podvm: collecting the trees an uninstall left: {exc}\n")
