@@ -7,6 +7,7 @@ import fcntl
 import os
 import shutil
 import sys
+import time
 
 from . import trees
 
@@ -51,8 +52,7 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
     except OSError:
         current = ""
     candidates = [n for n in trees.names(prefix) if n != current]
-    seen_as = {n: [f"{trees.PREFIX}/{n}"] + ([f"{prefix}/{n}"] if host else [])
-               for n in candidates}
+    seen_as = _seen_as(host, candidates)
     used = users([p for paths in seen_as.values() for p in paths], exclude)
     removed = []
     for name in candidates:
@@ -69,6 +69,30 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
     return removed
 
 
+def _seen_as(host: str, names: list[str]) -> dict[str, list[str]]:
+    """Each tree's paths as its processes may see it (collect)."""
+    prefix = host + trees.PREFIX
+    return {n: [f"{trees.PREFIX}/{n}"] + ([f"{prefix}/{n}"] if host else []) for n in names}
+
+
+def _only_our_children_use(host: str) -> bool:
+    """Every process still using a tree left under the host's /opt/podvm is a child of
+    this one (a daemon's QEMU or virtiofsd on its way out), and there is one."""
+    seen_as = _seen_as(host, trees.names(host + trees.PREFIX))
+    pids = {pid for pids in users([p for paths in seen_as.values() for p in paths],
+                                  os.getpid()).values() for pid in pids}
+    me = os.getpid()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if parent != me:
+            return False
+    return bool(pids)
+
+
 def lock(host: str = "") -> int | None:
     """The note's lock (trees.RETIRED), held until the fd is closed or the process ends:
     one collection after an uninstall at a time. None: no note."""
@@ -81,16 +105,24 @@ def lock(host: str = "") -> int | None:
     return fd
 
 
-def collect_retired(host: str = "") -> list[str]:
+def collect_retired(host: str = "", wait: float = 0) -> list[str]:
     """After an uninstall that left trees in use (trees.RETIRED): the trees no other
     process uses now, and once none is left, `current`, the links and directories the
     note names (what install made), the note. Run by a shim's daemon as it exits; one at
-    a time (the lock stays held until the caller exits, so the next sees it gone)."""
+    a time (the lock stays held until the caller exits, so the next sees it gone).
+    `wait`: seconds to go on trying while the only processes still using a tree are the
+    caller's own children (the daemon's QEMU and virtiofsd, exiting): the last pod's
+    daemon is the last collector, nothing comes after it."""
     fd = lock(host)
     if fd is None:
         return []
     prefix = host + trees.PREFIX
+    deadline = time.monotonic() + wait
     removed = collect(host, keep_current=False, exclude=os.getpid())
+    while trees.names(prefix) and time.monotonic() < deadline and \
+            _only_our_children_use(host):
+        time.sleep(0.1)
+        removed += collect(host, keep_current=False, exclude=os.getpid())
     if not trees.names(prefix):
         with open(fd, closefd=False) as f:
             f.seek(0)
@@ -116,6 +148,10 @@ def finish(host: str, note: list[str]) -> None:
             pass
 
 
+OWN_CHILDREN_WAIT = 10.0
+"""How long a daemon's last collection waits for its own QEMU and virtiofsd to be gone."""
+
+
 def collect_retired_own() -> None:
     """collect_retired for a shim run from an installed tree, as its pod's last process
     exits (the daemon on its way out; `delete`, which containerd runs once the daemon is
@@ -123,6 +159,6 @@ def collect_retired_own() -> None:
     if trees.own() is None:
         return
     try:
-        collect_retired()
+        collect_retired(wait=OWN_CHILDREN_WAIT)
     except OSError as exc:
         sys.stderr.write(f"podvm: collecting the trees an uninstall left: {exc}\n")
