@@ -22,7 +22,7 @@ import signal
 import struct
 import termios
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from google.protobuf.any_pb2 import Any
 from google.protobuf.empty_pb2 import Empty
@@ -34,8 +34,15 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 from .fakeprocs import GUEST_SHARED, Box, Proc, check_program, memory_limit, spawn
 
-if TYPE_CHECKING:
-    from .fakeguest import Guest
+
+
+class Guest(Protocol):
+    """What the agent reads and sets of the fake guest's hardware (fakeguest.py's Guest,
+    which imports this module: named here by what it offers, not imported)."""
+    vcpus: dict[int, int]
+    online_cpus: int
+    memory_bytes: int
+    oom: asyncio.Queue[str]
 
 
 class FakeAgent:

@@ -36,7 +36,6 @@ import sys
 import threading
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 MIB = 1 << 20
 DIMM_SLOTS = 8
@@ -47,12 +46,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def name_thread(name: str) -> None:
     """The calling thread's name in /proc (comm), as QEMU's debug-threads names it."""
     _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGKILL when the fake guest dies (as processes in a guest
-    die with their VM)."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class QmpError(Exception):

@@ -20,8 +20,10 @@ guest's agent keep (podvm_core/procstate.py's Lifecycle), its stdio, and its exi
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import os
+import signal
 import subprocess
 import termios
 import time
@@ -31,7 +33,6 @@ from podvm_core.pb.agent import agent_pb2 as pb
 from podvm_core.procstate import Lifecycle, pick
 from podvm_core.ttrpc import Code, TtrpcError
 
-from .fakeguest import die_with_parent
 
 BUSYBOX = "/bin/busybox"
 WAITER = "trap 'exit 0' TERM INT; while read -r _ <&{fd}; do :; done; exit 0"
@@ -73,6 +74,15 @@ def host_argv(args: list[str]) -> list[str] | None:
     name = os.path.basename(args[0])
     return [BUSYBOX, name, *args[1:]] if name in _applets else None
 
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the fake guest dies (as processes in a guest
+    die with their VM)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 class Proc(Lifecycle):
     popen: subprocess.Popen | None = None
