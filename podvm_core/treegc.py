@@ -14,7 +14,9 @@ from . import trees
 
 def users(paths: list[str], exclude: int = 0, proc: str = "/proc") -> dict[str, list[int]]:
     """tree -> the pids whose executable, working directory or a mapped file is inside it
-    (`paths`: trees' paths as the processes see them)."""
+    (`paths`: trees' paths as the processes see them). A process of another uid that
+    this one may not look into (a jailed QEMU, without CAP_SYS_PTRACE) counts as a user
+    of every tree: what cannot be seen is never taken for unused."""
     found: dict[str, list[int]] = {t: [] for t in paths}
     inside = tuple(t.rstrip("/") + "/" for t in paths)
     for entry in os.listdir(proc):
@@ -24,6 +26,8 @@ def users(paths: list[str], exclude: int = 0, proc: str = "/proc") -> dict[str, 
         for link in ("exe", "cwd"):
             try:
                 seen.append(os.readlink(f"{proc}/{entry}/{link}") + "/")
+            except PermissionError:
+                seen.extend(_closed(f"{proc}/{entry}", inside))
             except OSError:
                 pass
         try:
@@ -32,6 +36,8 @@ def users(paths: list[str], exclude: int = 0, proc: str = "/proc") -> dict[str, 
                     fields = line.split(None, 5)
                     if len(fields) == 6 and fields[5].startswith("/"):
                         seen.append(fields[5].rstrip("\n"))
+        except PermissionError:
+            seen.extend(_closed(f"{proc}/{entry}", inside))
         except OSError:
             pass
         for path in seen:
@@ -39,6 +45,16 @@ def users(paths: list[str], exclude: int = 0, proc: str = "/proc") -> dict[str, 
                 if path.startswith(prefix) and int(entry) not in found[tree]:
                     found[tree].append(int(entry))
     return found
+
+
+def _closed(process: str, inside: tuple[str, ...]) -> tuple[str, ...]:
+    """What a process closed to this one is taken to use: every tree when it runs as
+    another uid (what a jailed QEMU is); nothing when it is this one's uid, which only a
+    security module's rule keeps out (such as a container host's own init)."""
+    try:
+        return inside if os.stat(process).st_uid != os.geteuid() else ()
+    except OSError:  # gone
+        return ()
 
 
 def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list[str]:

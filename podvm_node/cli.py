@@ -10,6 +10,8 @@ COMMANDS = {
     "install": ("podvm_node.install", "put podvm on the host (containerd drop-in, /opt/podvm)"),
     "uninstall": ("podvm_node.install", "remove exactly what install added"),
     "monitor": ("podvm_node.monitor", "serve the node's sandboxes as Prometheus metrics"),
+    "trees": ("podvm_node.treecollect", "remove the install trees no process uses, "
+                                        "periodically"),
 }
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 import copy
 import pathlib
 import re
-import signal
-import subprocess
-import sys
 
 import kubernetes_validate
 import pytest
 import yaml
 
-from podvm_node import bundle
+from podvm_core import trees
 from podvm_node import cli as node_cli
-from podvm_node import monitor
+from podvm_node import monitor, treecollect
 from podvm_node.containerd_dropin import PODVM_CONFIG
 from podvm_node.nodelabel import LABEL, VALUE
 from shim import config
@@ -120,12 +117,8 @@ def test_the_daemonset_runs_podvm_node_as_it_takes_its_arguments() -> None:
     (install,) = pod["initContainers"]
     containers = {c["name"]: c for c in pod["containers"]}
     assert install["command"][:2] == ["podvm-node", "install"]
-    stop = containers["keeper"]["lifecycle"]["preStop"]["exec"]["command"]
-    assert stop[:2] == ["podvm-node", "uninstall"]
-    idle = containers["keeper"]["command"]  # the image has the podvm tree's Python only
-    assert idle[0] in {f"{bundle.PREFIX}/{p}" for p in bundle.EXECUTABLES}
-    assert idle[0].endswith("python3.11") and "signal.pause()" in idle[-1]
-    assert {install["command"][1], stop[1], "monitor"} <= set(node_cli.COMMANDS)
+    assert set(containers) == {"monitor", "trees"}
+    assert {install["command"][1], "monitor", "trees"} <= set(node_cli.COMMANDS)
     for c in [install, *pod["containers"]]:
         assert c["image"] == "podvm-node:0.1.0"
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
@@ -151,6 +144,27 @@ def test_the_daemonset_runs_podvm_node_as_it_takes_its_arguments() -> None:
         assert any(host_path == m or host_path.startswith(m + "/") for m in mounted), path
 
 
+def test_the_tree_collector_writes_the_host_s_opt_podvm_only() -> None:
+    """`podvm-node trees` as the DaemonSet runs it: arguments it takes, the host's
+    /opt/podvm where treegc looks for it, nothing else of the host, and the one
+    capability it needs to see a jailed QEMU's maps."""
+    daemonset = every_object()[("DaemonSet", "podvm-node")]
+    pod = daemonset["spec"]["template"]["spec"]
+    trees_container = next(c for c in pod["containers"] if c["name"] == "trees")
+    command = trees_container["command"]
+    assert command[:2] == ["podvm-node", "trees"]
+    args = treecollect.parser().parse_args(command[2:])
+    assert not args.once and args.every > 0
+    (mount,) = trees_container["volumeMounts"]
+    assert mount["mountPath"] == args.host_root + trees.PREFIX and not mount.get("readOnly")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"] == trees.PREFIX
+    assert pod["hostPID"] is True  # the host's processes, whose maps it reads
+    context = trees_container["securityContext"]
+    assert "privileged" not in context and context["readOnlyRootFilesystem"]
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE"]}
+
+
 def test_the_node_service_account_may_label_nodes_and_nothing_more() -> None:
     objects = every_object()
     (rule,) = objects[("ClusterRole", "podvm-node")]["rules"]
@@ -163,29 +177,31 @@ def test_the_node_service_account_may_label_nodes_and_nothing_more() -> None:
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "podvm-node"
     job = objects[("Job", "podvm-node-cleanup-NODE_NAME")]
     (uninstall,) = job["spec"]["template"]["spec"]["containers"]
-    assert uninstall["command"] == stop_command(daemonset)
+    assert uninstall["command"] == ["podvm-node", "uninstall", "--host-root=/host"]
+    assert "uninstall" in node_cli.COMMANDS
+    assert uninstall["image"] == "podvm-node:0.1.0"
 
 
-def test_the_keeper_idles_until_terminated() -> None:
-    """Its command run here (this Python for the image's): it waits, and SIGTERM ends it
-    at once with status 0, so the pod's termination is the preStop hook's time only."""
-    daemonset = every_object()[("DaemonSet", "podvm-node")]
-    keeper = next(c for c in daemonset["spec"]["template"]["spec"]["containers"]
-                  if c["name"] == "keeper")
-    proc = subprocess.Popen([sys.executable, *keeper["command"][1:]])
-    try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(timeout=0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=5) == 0
-    finally:
-        proc.kill()
+def test_nothing_in_the_node_daemonset_uninstalls() -> None:
+    """A rolling update of the DaemonSet (an upgrade) or its pod's restart must not take
+    podvm off the node: the next version installs over the running one (its pods keep
+    their own trees), and uninstalling is cleanup/'s Job only. No command, argument,
+    hook or probe of node.yaml says `uninstall`."""
+    assert list(_uninstalls(documents(KUBERNETES / "node.yaml"))) == []
+    job = documents(KUBERNETES / "cleanup" / "node-cleanup.yaml")
+    assert list(_uninstalls(job)), "the check finds an uninstall where there is one"
 
 
-def stop_command(daemonset: dict) -> list[str]:
-    keeper = next(c for c in daemonset["spec"]["template"]["spec"]["containers"]
-                  if c["name"] == "keeper")
-    return keeper["lifecycle"]["preStop"]["exec"]["command"]
+def _uninstalls(node: object, where: str = ""):
+    """Where in `node` (parsed YAML) a string says `uninstall`."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _uninstalls(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _uninstalls(value, f"{where}[{i}]")
+    elif isinstance(node, str) and "uninstall" in node:
+        yield where
 
 
 def _containers(doc: dict) -> list[dict]:

@@ -116,7 +116,9 @@ def remove(directory: str, key: str) -> bool:
 
 def lock(directory: str, key: str) -> int:
     """The descriptor that holds the right to make or remove the template (the flock
-    goes with it), -1 while someone else holds it."""
+    goes with it), -1 while someone else holds it. Whoever takes it finds no maker of
+    the template at work: what a maker killed mid-way left (a shim SIGKILLed, a node's
+    power lost) goes now, before a new maker writes beside it."""
     fd = os.open(os.path.join(directory, f"{key}.lock"),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -124,6 +126,10 @@ def lock(directory: str, key: str) -> int:
     except BlockingIOError:
         os.close(fd)
         return -1
+    for name in os.listdir(directory):
+        made = MAKING_FILE.fullmatch(name)
+        if made and made.group(1) == key:
+            _unlink(os.path.join(directory, name))
     return fd
 
 
@@ -206,27 +212,23 @@ def prune(directory: str) -> list[str]:
         elif name.endswith((".vmstate", ".vmstate.ram")) and not os.path.exists(
                 path[:path.index(".vmstate")] + ".json"):
             _unlink(path)  # its metadata was never written: an interrupted save
-        elif MAKING_FILE.fullmatch(name):
-            _unlink_unless_made(directory, name)
+        elif making := MAKING_FILE.fullmatch(name):
+            _unlink_unless_made(directory, making.group(1))
     if removed:
         log.info("templates of changed files removed: %s", ", ".join(removed))
     return removed
 
 
-MAKING_FILE = re.compile(r"([0-9a-f]+)\.vmstate\.\d+\.tmp(\.ram)?")
+MAKING_FILE = re.compile(r"([0-9a-f]+)\.(?:vmstate\.\d+\.tmp(?:\.ram)?|json\.tmp)")
 """A template's files while its maker writes them (shim/vm/template/template.py: the state,
-`<key>.vmstate.<pid>.tmp`, and the memory beside it)."""
+`<key>.vmstate.<pid>.tmp`, the memory beside it, then `<key>.json.tmp`)."""
 
 
-def _unlink_unless_made(directory: str, name: str) -> None:
-    """A file a maker left when it was killed (`shim delete` cannot know the store):
-    removed unless someone is making that template now (and holds its lock)."""
-    fd = lock(directory, MAKING_FILE.fullmatch(name).group(1))  # type: ignore[union-attr]
-    if fd < 0:
-        return
-    try:
-        _unlink(os.path.join(directory, name))
-    finally:
+def _unlink_unless_made(directory: str, key: str) -> None:
+    """The files a maker of `key` left when it was killed (`shim delete` cannot know the
+    store), unless someone is making that template now: taking its lock removes them."""
+    fd = lock(directory, key)
+    if fd >= 0:
         os.close(fd)
 
 
