@@ -56,7 +56,7 @@ CALL_TIMEOUT = 600.0
 KILLED_DELETE = 'msg="failed to delete" '
 """containerd's line for a `shim delete` that failed or that it killed at its limit."""
 DELETE_LINE = re.compile(r"shim delete of (\S+) done in ([0-9.]+)s, ([0-9.]+)s since exec")
-"""The line shim/contract/manager.py's `delete` writes (containerd logs it as its stderr)."""
+"""The line shim/contract/delete.py writes (containerd logs it as its stderr)."""
 
 
 @dataclass

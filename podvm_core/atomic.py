@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 
 _TRIES = 16  # names taken by someone else before one of ours is free: then EEXIST
 
@@ -42,8 +41,10 @@ def _new_file(dirfd: int, name: str, mode: int) -> tuple[int, str]:
     died leaves that, which sweeps know), another name where that is taken."""
     pid = os.getpid()
     for attempt in range(_TRIES):
+        # os.urandom, not secrets: that module (with hmac, hashlib, random) would be
+        # most of what `start` and `delete` import.
         tmp = f"{name}.{pid}.tmp" if attempt == 0 else \
-            f"{name}.{pid}.{secrets.token_hex(8)}.tmp"
+            f"{name}.{pid}.{os.urandom(8).hex()}.tmp"
         try:
             return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                            os.O_CLOEXEC, mode, dir_fd=dirfd), tmp

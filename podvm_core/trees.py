@@ -61,6 +61,12 @@ RETIRED = ".uninstalled"
 (one a line, parents first), which the last of their shims removes on its way out."""
 
 
+def retired(host: str = "") -> bool:
+    """Whether an uninstall left trees in use (its note, RETIRED, is there): only then has
+    a pod's last process a collection to make (podvm_core/treegc.py)."""
+    return os.path.exists(os.path.join(host + PREFIX, RETIRED))
+
+
 def names(prefix: str) -> list[str]:
     """The trees under `prefix` (a host's /opt/podvm)."""
     try:

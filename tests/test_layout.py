@@ -95,6 +95,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/api/events.py",
      "podvm_core.pb.containerd.services.events.ttrpc.v1.events_pb2"):
         "the first event, off the daemon's start",
+    ("shim/api/events.py",
+     "podvm_core.ttrpc.client"):
+        "the first event, off the daemon's start",
     ("shim/api/task/deferred.py",
      "shim.api.task.service"):
         "the first Task call past Connect: a quarter of the daemon's start",
@@ -112,7 +115,10 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "`-info` only",
     ("shim/contract/cli.py",
      "shim.contract.manager"):
-        "imported with the collector off (`start`'s time)",
+        "`start` only, imported with the collector off (`start`'s time)",
+    ("shim/contract/cli.py",
+     "shim.contract.delete"):
+        "`delete` only, imported with the collector off",
     ("shim/contract/cli.py",
      "shim.host.mountns"):
         "`start` only",
@@ -122,6 +128,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/contract/cli.py",
      "importlib.util"):
         "the daemon only",
+    ("shim/contract/daemon.py",
+     "podvm_core.treegc"):
+        "after an uninstall only: shutil and the collection, off the daemon's start",
     ("shim/contract/daemon.py",
      "shim.host.cleanup"):
         "the daemon's exit: psutil and cgroups would grow every idle daemon",
@@ -140,12 +149,18 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/contract/manager.py",
      "shim.host.mountns"):
         "a `start` that forks a daemon only (ctypes)",
-    ("shim/contract/manager.py",
-     "podvm_core.pb.containerd.task.v2.shim_pb2"):
-        "`delete` only: `start` imports this module",
-    ("shim/contract/manager.py",
+    ("shim/contract/delete.py",
      "shim.host.cleanup"):
-        "`delete` only",
+        "a pod that left something only: psutil, cgroups, the network's client",
+    ("shim/contract/delete.py",
+     "podvm_core.treegc"):
+        "after an uninstall only",
+    ("shim/host/processes.py",
+     "asyncio"):
+        "the daemon's children only: `delete` kills with this module and has no loop",
+    ("shim/host/cleanup.py",
+     "shim.network.remote"):
+        "a pod with a network only: asyncio, which `delete` has no other use for",
     ("shim/host/cgroup.py",
      "podvm_core.pb.containerd.cgroups.v2.metrics_pb2"):
         "the first metrics call on a v2 host",

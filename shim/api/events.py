@@ -17,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from google.protobuf.any_pb2 import Any
 from google.protobuf.message import Message
 
-from podvm_core.ttrpc import Client, ConnectionClosed, TtrpcError
+from podvm_core.ttrpc import ConnectionClosed, TtrpcError
+
+if TYPE_CHECKING:
+    from podvm_core.ttrpc import Client
 
 from podvm_core.ratelimit import LimitedLog
 
@@ -114,6 +118,9 @@ class Publisher:
 
     async def _connected(self) -> Client:
         if self._client is None:
+            # Here, not at the top: the first event, off the daemon's start (issue 47)
+            from podvm_core.ttrpc.client import Client
+
             self._client = await Client.connect(
                 self._ttrpc_address, metadata=[("containerd-namespace-ttrpc", self._namespace)])
         return self._client

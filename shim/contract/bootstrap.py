@@ -10,11 +10,12 @@ address only. Both are encoded and recognised here by hand, in a few lines of wi
 format: `start` loads no protobuf (its start-up time is every pod's)."""
 from __future__ import annotations
 
+from .wire import LEN, len_field, read_varint, varint
+
 TASK_VERSION = 2
 """The Task API version podvm answers with: containerd.task.v2, the one containerd 1.6 to
 2.2 use with podvm (a bare address means version 2), so 2.3 talks to it as they do."""
 PROTOCOL = "ttrpc"
-_LEN = 2  # wire type of a length-delimited field (string, bytes, message)
 
 
 def answer(stdin: bytes, address: str) -> bytes:
@@ -32,15 +33,15 @@ def sent_params(stdin: bytes) -> bool:
     at, high = 0, False
     try:
         while at < len(stdin):
-            key, at = _varint(stdin, at)
+            key, at = read_varint(stdin, at)
             number, wire = key >> 3, key & 7
             if number == 0:
                 return False
             high = high or number > 2
             if wire == 0:
-                _, at = _varint(stdin, at)
-            elif wire == _LEN:
-                size, at = _varint(stdin, at)
+                _, at = read_varint(stdin, at)
+            elif wire == LEN:
+                size, at = read_varint(stdin, at)
                 at += size
             elif wire in (1, 5):
                 at += 8 if wire == 1 else 4
@@ -53,31 +54,5 @@ def sent_params(stdin: bytes) -> bool:
 
 def result(address: str, version: int = TASK_VERSION, protocol: str = PROTOCOL) -> bytes:
     """BootstrapResult{version = 1, address = 2, protocol = 3}, serialized."""
-    out = bytearray(b"\x08")
-    out += _encode_varint(version)
-    for number, text in ((2, address), (3, protocol)):
-        data = text.encode()
-        out.append(number << 3 | _LEN)
-        out += _encode_varint(len(data))
-        out += data
-    return bytes(out)
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return (b"\x08" + varint(version) + len_field(2, address.encode()) +
+            len_field(3, protocol.encode()))

@@ -31,10 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     # of that time and finds next to nothing. `start` and `delete` are short-lived; the
     # daemon (which `start` forks) turns it back on once it serves.
     gc.disable()
-    # Here, not at the top: imported with the collector off (about 1 ms of `start`).
-    from .manager import delete, start
+    if flags.action == "delete":
+        # Here, not at the top: `delete` only, with the collector off.
+        from .delete import delete
 
+        _leave(delete(flags))
     if flags.action == "start":
+        # Here, not at the top: imported with the collector off (about 1 ms of `start`).
+        from .manager import start
         # `start` only: -info, -version and a daemon run by hand do without mountns.
         from ..host.mountns import MountNamespaceError
 
@@ -43,15 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         except MountNamespaceError as exc:
             sys.stderr.write(f"containerd-shim-podvm-v2: {exc}\n")
             code = 1
-        # containerd waits for `start` to exit while the daemon it forked starts on the
-        # same CPUs: leave without tearing the interpreter down (about 5 ms); nothing but
-        # stdio is left to flush.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if flags.action == "delete":
-        return delete(flags)
+        _leave(code)
     return run_daemon(flags)
+
+
+def _leave(code: int) -> None:
+    """Exit without tearing the interpreter down (about 5 ms): containerd waits for
+    `start` to exit while the daemon it forked starts on the same CPUs, and counts
+    `delete`'s time to its 5 s limit. Nothing but stdio is left to flush."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_daemon(flags: Flags, sock=None) -> int:

@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2
-from podvm_core import treegc
+from podvm_core import trees
 from podvm_core.ttrpc import Server, Service, bind
 
 from ..api import errors
@@ -53,7 +53,11 @@ def serve(flags: Flags, sock: socket.socket | None = None) -> int:
     finally:
         # after an uninstall under this pod: its tree goes with its last process
         # (`delete`, if containerd runs it, collects too)
-        treegc.collect_retired_own()
+        if trees.own() is not None and trees.retired():
+            # Here, not at the top: after an uninstall only (shutil, off the daemon's start)
+            from podvm_core.treegc import collect_retired_own
+
+            collect_retired_own()
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The shim process contract: `start` (find or spawn the pod's daemon) and `delete`.
+"""The shim process contract's `start`: find or spawn the pod's daemon (`delete`: delete.py).
 
 `start` sits on containerd's critical path for every container, so this module only
 imports the standard library's light parts; the daemon loads the rest after it detaches.
@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal
 import socket
 import stat
 import sys
@@ -156,74 +155,5 @@ def _write_tree(bundle: str, tree: str | None) -> None:
         write_atomic(os.path.join(bundle, trees.TREE_FILE), tree.encode())
 
 
-def _own_tree_delete(bundle: str) -> None:
-    """A `delete` run from one installed tree for a container another tree's shim started
-    (an upgrade came between): exec that tree's shim, which knows its own state; where
-    that tree is gone (no process of it was left, so the daemon is gone), this one goes on."""
-    own = trees.own()
-    try:
-        with open(os.path.join(bundle, trees.TREE_FILE)) as f:
-            recorded = f.read().strip()
-    except OSError:
-        return
-    if own is None or not recorded or recorded == own or trees.tree_of(recorded) != recorded:
-        return
-    shim = os.path.join(recorded, "bin", "containerd-shim-podvm-v2")
-    if os.path.isfile(shim):
-        sys.stdout.flush()
-        os.execv(shim, [shim, *sys.argv[1:]])
-
-
 def _write_address(bundle: str, address: str) -> None:
     write_atomic(os.path.join(bundle, "address"), address.encode())
-
-
-SWEEP_UNTIL = 3.0
-"""Seconds after its start until which `delete` sweeps the state other sandboxes' killed
-`delete`s left (shim/host/cleanup.py, sweep_stale): inside containerd's limit of 5 s."""
-
-
-def delete(flags: Flags) -> int:
-    """Clean up after a container whose daemon is gone (or never answered), from the
-    persisted state alone, and print a DeleteResponse (137: killed, as runc's shim says).
-    Then sweep what earlier `delete`s that containerd killed left in the namespace."""
-    _own_tree_delete(flags.bundle_dir)
-    # Here, not at the top: `start` imports this module, and needs neither.
-    from podvm_core.pb.containerd.task.v2.shim_pb2 import DeleteResponse
-
-    from ..host.cleanup import (cleanup_container, collect_retired_trees,  # as above
-                                sweep_stale)
-
-    started = time.monotonic()
-    bundle = flags.bundle_dir
-    cleanup_container(flags.namespace, flags.id, bundle)
-    response = DeleteResponse(exit_status=128 + signal.SIGKILL)
-    response.exited_at.FromNanoseconds(time.time_ns())
-    sys.stdout.buffer.write(response.SerializeToString())
-    sys.stdout.flush()
-    took = time.monotonic() - started
-    swept = sweep_stale(flags.namespace, time.monotonic() + SWEEP_UNTIL - _since_start())
-    _say_done(flags.id, took, swept)
-    collect_retired_trees()  # after an uninstall under this pod: its tree, if the last
-    return 0
-
-
-def _since_start() -> float:
-    """Seconds since this process started (containerd's 5 s count from its exec)."""
-    with open("/proc/self/stat", "rb") as f:
-        ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _say_done(ident: str, seconds: float, swept: list[str]) -> None:
-    """One logfmt line on stderr, which containerd logs (as "cleanup warnings"): how long
-    the cleanup took and how long since this process started, as containerd kills a
-    `delete` at 5 s (what it had not removed yet stays, for the next one's sweep)."""
-    now = time.time()
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-    said = f"shim delete of {ident} done in {seconds:.3f}s, {_since_start():.3f}s since exec"
-    if swept:
-        said += (f"; swept the state of {len(swept)} sandboxes whose shim and delete were "
-                 f"gone: {', '.join(swept)}")
-    sys.stderr.write(f'time="{stamp}" level=info msg="{said}" runtime=io.containerd.podvm.v2\n')
-    sys.stderr.flush()

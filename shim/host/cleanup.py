@@ -18,14 +18,13 @@ from collections.abc import Iterator
 import psutil
 
 import cgroups
-from podvm_core import treegc
-
 from . import jailids, mountns, paths, shimstate
+from .leftovers import abandoned
 from .mounts import mounts_under, unmount, unmount_all
-from ..network import remote
 from ..network.errors import NetworkError
 from .podstate import CgroupState, PodState, PodStateError, state_path
-from .processes import is_our_shim, kill_and_wait, start_time
+from .pids import is_our_shim, start_time
+from .processes import kill_and_wait
 
 log = logging.getLogger("podvm.cleanup")
 
@@ -44,12 +43,6 @@ def remove_shim_state(namespace: str, group: str, address: str | None) -> None:
     # Shared parents (/run/podvm/<namespace>) stay: removing them would race with
     # another pod's `start` creating its directory there.
     remove_tree(state_dir)
-
-
-def collect_retired_trees() -> None:
-    """`delete`'s last step: after an uninstall under this pod, its tree and what install
-    made go with the pod's last process (podvm_core/treegc.py)."""
-    treegc.collect_retired_own()
 
 
 def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
@@ -73,11 +66,6 @@ def cleanup_container(namespace: str, container_id: str, bundle: str) -> None:
     unmount(os.path.join(bundle, "rootfs"))  # made in the host's namespace by an older podvm
 
 
-STALE_AFTER = 30.0
-"""Seconds a state directory without shim.json must be left unchanged before a sweep takes
-it for one a killed `delete` half removed (`start` writes shim.json as it makes it)."""
-
-
 def sweep_stale(namespace: str, deadline: float) -> list[str]:
     """Remove the state of the sandboxes in `namespace` whose daemon is gone and whose
     `delete` did not finish: containerd kills a `delete` at 5 s, which a loaded node can
@@ -96,7 +84,7 @@ def sweep_stale(namespace: str, deadline: float) -> list[str]:
         state_dir = paths.state_dir(namespace, group)
         with _claimed(state_dir, wait=False) as ours:
             state = shimstate.read(namespace, group)
-            if not ours or not _abandoned(state_dir, state):
+            if not ours or not abandoned(state_dir, state):
                 continue
             log.info("sweeping the state of sandbox %s, whose shim is gone", group)
             try:
@@ -106,18 +94,6 @@ def sweep_stale(namespace: str, deadline: float) -> list[str]:
                 continue
         swept.append(group)
     return swept
-
-
-def _abandoned(state_dir: str, state: dict | None) -> bool:
-    """No live daemon of ours owns `state_dir` (a pid reused by another shim counts as
-    live: the sweep keeps what it cannot tell apart)."""
-    if state is None:
-        try:
-            return time.time() - os.stat(state_dir).st_mtime > STALE_AFTER
-        except FileNotFoundError:
-            return False
-    pid = state.get("pid")
-    return not (isinstance(pid, int) and is_our_shim(pid))
 
 
 @contextlib.contextmanager
@@ -226,6 +202,9 @@ def cleanup_from_state(state_dir: str) -> None:
         return
     failed = None
     if state.netns:
+        # Here, not at the top: a pod with a network only (asyncio, for `delete`)
+        from ..network import remote
+
         try:
             remote.detach_now(state.netns, state.taps)
         except NetworkError as exc:  # the cgroups still go

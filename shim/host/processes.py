@@ -1,43 +1,23 @@
-"""Processes podvm started, seen from outside: whether one is ours, when it started, and
-killing one until nothing of it is left. psutil: only `delete`, the daemon's exit and the
-VM machinery load this module, never `start` or an idle daemon."""
+"""Processes podvm started, seen from outside: killing one until nothing of it is left,
+ending and reaping children (whether one is ours and when it started: pids.py). psutil:
+only `delete` with something to remove, the daemon's exit and the VM machinery load
+this module, never `start` or an idle daemon."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 
+if TYPE_CHECKING:
+    import asyncio
+
+from .pids import is_our_shim, start_time  # noqa: F401 (their home: light, for `delete`)
+
 log = logging.getLogger("podvm.processes")
-
-SHIM_BINARY = "containerd-shim-podvm-v2"
-
-
-def is_our_shim(pid: int) -> bool:
-    try:
-        return any(SHIM_BINARY in arg for arg in psutil.Process(pid).cmdline())
-    except psutil.Error:  # gone, a zombie, or not ours to read
-        return False
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, which tells a live process from
-    a later one that got its pid; None when it is gone or a zombie."""
-    if pid <= 0:
-        return None
-    try:
-        # Not psutil's create_time(): it adds the boot time as the clock has it now, so the
-        # value moves when NTP steps the clock; this one is compared across processes/hours.
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
 
 
 def kill_and_wait(pid: int, timeout: float = 30.0) -> None:
@@ -66,6 +46,9 @@ async def end_child(proc: asyncio.subprocess.Process, timeout: float, what: str)
     if proc.returncode is not None:
         return
     try:
+        # Here, not at the top: `delete` kills with this module and has no loop
+        import asyncio
+
         await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         pass

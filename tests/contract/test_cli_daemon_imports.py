@@ -46,6 +46,11 @@ def test_the_daemon_serves_without_what_its_first_answers_do_not_use() -> None:
     assert "ssl" not in loaded  # asyncio's TLS: 4 MB of RSS a shim never uses
     assert "shim.api.task.service" not in loaded  # made at the first call that needs it
     assert "podvm_core.pb.containerd.runtime.sandbox.v1.sandbox_pb2" not in loaded
+    # issue 47: the events' client (the first event), an uninstall's collection (shutil),
+    # atomic writes' secrets (hmac, hashlib, random): none is a first answer's
+    late = {"podvm_core.ttrpc.client", "podvm_core.treegc", "shutil", "secrets", "hashlib",
+            "random"}
+    assert not late & loaded, sorted(late & loaded)
     if probe["backend"] == "upb":
         # protobuf's pure-Python backend and what it drags in stay unloaded.
         assert not probe["python_backend_loaded"]

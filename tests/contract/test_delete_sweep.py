@@ -13,7 +13,7 @@ import sys
 import time
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
-from shim.host import cleanup, paths
+from shim.host import cleanup, leftovers, paths
 from testbed.shimproc import NS, alive, daemon_pid, make_bundle, run_shim
 
 
@@ -69,7 +69,7 @@ def test_sweep_keeps_live_shims_claims_and_fresh_starts(tmp_path, monkeypatch) -
         live = fake_state(ns, "live", shim.pid)
         fresh = fake_state(ns, "fresh", None)  # a `start` between mkdir and shim.json
         half = fake_state(ns, "half", None)  # a delete killed inside its rmtree
-        os.utime(half, (time.time() - 2 * cleanup.STALE_AFTER,) * 2)
+        os.utime(half, (time.time() - 2 * leftovers.STALE_AFTER,) * 2)
         held = fake_state(ns, "held", gone.pid)  # its own delete is removing it now
         fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -25,8 +25,8 @@ from podvm_node import (bundle, containerd_dropin as dropin, elfpatch, hostcheck
                         install, nodelabel)
 from podvm_node.containerd_dropin import Refusal
 from shim import config as shim_config
-from shim.contract import manager
-from shim.config import HypervisorConfig
+from shim.contract import delete as shim_delete
+from shim.vm import scratchdisk
 from testbed import bridgenet
 from testbed.containerd import PODVM_SNIPPET, REPO_ROOT, Containerd, podvm_runtime_section
 from testbed.cri import Crictl, write_config
@@ -522,23 +522,24 @@ def test_delete_runs_the_pods_own_trees_shim(tmp_path, monkeypatch) -> None:
     bundle.mkdir()
     old, new = f"{PODVM}/aaaaaa", f"{PODVM}/bbbbbb"
     execs: list[tuple[str, list[str]]] = []
-    monkeypatch.setattr(manager.trees, "own", lambda: new)
-    monkeypatch.setattr(manager.trees, "tree_of", lambda path: path)
-    monkeypatch.setattr(manager.os, "execv", lambda path, argv: execs.append((path, argv)))
+    monkeypatch.setattr(shim_delete.trees, "own", lambda: new)
+    monkeypatch.setattr(shim_delete.trees, "tree_of", lambda path: path)
+    monkeypatch.setattr(shim_delete.os, "execv",
+                        lambda path, argv: execs.append((path, argv)))
     there = {f"{old}/bin/containerd-shim-podvm-v2"}
-    monkeypatch.setattr(manager.os.path, "isfile", lambda path: path in there)
-    monkeypatch.setattr(manager.sys, "argv", ["/usr/local/bin/containerd-shim-podvm-v2",
-                                              "-id", "x", "delete"])
-    manager._own_tree_delete(str(bundle))  # no record (a checkout's start)
+    monkeypatch.setattr(shim_delete.os.path, "isfile", lambda path: path in there)
+    monkeypatch.setattr(shim_delete.sys, "argv", ["/usr/local/bin/containerd-shim-podvm-v2",
+                                                  "-id", "x", "delete"])
+    shim_delete._own_tree_delete(str(bundle))  # no record (a checkout's start)
     (bundle / trees.TREE_FILE).write_text(new)
-    manager._own_tree_delete(str(bundle))  # its own
+    shim_delete._own_tree_delete(str(bundle))  # its own
     assert execs == []
     (bundle / trees.TREE_FILE).write_text(old)
-    manager._own_tree_delete(str(bundle))
+    shim_delete._own_tree_delete(str(bundle))
     assert execs == [(f"{old}/bin/containerd-shim-podvm-v2",
                       [f"{old}/bin/containerd-shim-podvm-v2", "-id", "x", "delete"])]
     there.clear()  # the old tree is gone: the new one deletes
-    manager._own_tree_delete(str(bundle))
+    shim_delete._own_tree_delete(str(bundle))
     assert len(execs) == 1
 
 
@@ -625,7 +626,7 @@ def test_install_runs_a_pod_from_opt_podvm_and_uninstall_leaves_nothing(
         finally:
             remove_pod(crictl, pod_id)
         assert [p.name for p in (tmp_path / "scratch").glob("blank-*")] == \
-            [f"blank-{HypervisorConfig.scratch_disk_mib}M.ext4"]
+            [scratchdisk.blank_name()]
         install.uninstall(str(host), restart=ctd.restart, say=lines.append)
         info = crictl.run("info").json()["config"]
         assert "podvm" not in info["containerd"]["runtimes"]
