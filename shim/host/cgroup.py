@@ -1,20 +1,16 @@
 """The pod VM's host cgroup: where it goes (under the pod cgroup kubelet chose), the
-limits the plan gives it, QEMU started inside it, its threads sorted by role and the
-threads it makes later caught (docs/design.md, "Sandbox cgroup layout").
+limits the plan gives it, QEMU started inside it (docs/design.md, "Sandbox cgroup
+layout"); its threads are sorted into it by role by shim/cpus/vmthreads.py.
 The `cgroups` package does the kernel work; this module decides what to ask of it."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from typing import Mapping, Protocol
 
 from google.protobuf.any_pb2 import Any
 
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
-from cgroups.layout import VCPU_ROLE
-from cgroups.procs import thread_ids
 
 from .podstate import CgroupState
 from ..resources import SandboxPlan
@@ -26,17 +22,6 @@ DEFAULT_POD_CGROUP = "/podvm"
 """Where a sandbox without a cgroupsPath (nothing chose one) gets its cgroup."""
 OVERHEAD_CGROUP = "/podvm_overhead"
 """Where shims go with sandbox_cgroup_only = false: charged and visible, outside the pod."""
-WATCH_INTERVAL = 1.0
-
-
-class VM(Protocol):
-    """What the sandbox cgroup needs of a VM (shim/vm/hypervisor.py's VM is one): its
-    process, and its threads by role (ThreadRole, a str: "vcpu" is cgroups' VCPU_ROLE)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    async def threads(self) -> Mapping[str, list[int]]: ...
 
 
 def layout_for(cgroups_path: str, sandbox_id: str) -> SandboxLayout:
@@ -76,7 +61,6 @@ class HostCgroup:
         self._home = self.manager.thread_cgroups(os.getpid(), os.getpid()) or {}
         """Where the shim was before: it goes back there when the sandbox is removed, so
         that it never holds up the removal of the pod cgroup kubelet made."""
-        self._known_tids: frozenset[int] = frozenset()
 
     def state(self) -> CgroupState:
         """Written to sandbox.json before anything is created."""
@@ -104,57 +88,6 @@ class HostCgroup:
     def preexec(self):
         assert self.sandbox is not None
         return self.sandbox.preexec()
-
-    async def place(self, vm: VM) -> dict[str, list[int]]:
-        """Every QEMU thread by role: vCPUs into vcpus/, the rest (and the threads of the
-        VM's helpers, virtiofsd) into vmm/."""
-        assert self.sandbox is not None
-        roles = await vm.threads()
-        for pid in (vm.pid, *vm.helper_pids):
-            self.sandbox.adopt_process(pid)
-        placed = self.sandbox.place_threads(roles)
-        self._known_tids = frozenset(t for tids in roles.values() for t in tids)
-        log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
-                 ", ".join(f"{role} {tids}" for role, tids in placed.items()))
-        return placed
-
-    async def watch(self, vm: VM) -> None:
-        """Threads QEMU makes later (I/O workers, hot-plugged vCPUs) start in their
-        creator's cgroup, and anyone may move a thread: every second, each thread not
-        where its role says is put back (QMP is asked for the vCPUs only when threads
-        came or went; otherwise this reads /proc alone)."""
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL)
-            try:
-                tids = frozenset(thread_ids(vm.pid))
-            except cgroups.ProcessGone:
-                return
-            try:
-                await self.place_new(vm, ask_vm=tids != self._known_tids)
-            except cgroups.CgroupError as exc:
-                log.warning("sandbox %s: thread placement: %s", self.layout.sandbox_id, exc)
-
-    async def place_new(self, vm: VM, ask_vm: bool = True) -> None:
-        """Sort threads that are not where their role says (after a hot-plug, say)."""
-        assert self.sandbox is not None
-        vcpus: list[int] = []
-        if ask_vm:
-            try:
-                roles = await vm.threads()
-            except Exception as exc:  # QEMU going away
-                log.debug("thread scan of sandbox %s: %s", self.layout.sandbox_id, exc)
-                return
-            vcpus = roles.get(VCPU_ROLE, [])
-            self._known_tids = frozenset(t for tids in roles.values() for t in tids)
-        moved = self.sandbox.place_new_threads(vm.pid, vcpus)
-        for pid in vm.helper_pids:
-            try:
-                moved.update(self.sandbox.place_new_threads(pid))
-            except cgroups.ProcessGone:
-                pass
-        if moved:
-            log.info("sandbox %s: QEMU threads placed: %s", self.layout.sandbox_id,
-                     ", ".join(f"{role} {tids}" for role, tids in moved.items()))
 
     def apply(self, plan: SandboxPlan) -> None:
         assert self.sandbox is not None

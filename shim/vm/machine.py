@@ -2,8 +2,9 @@
 interface (shim/vm/hypervisor.py), the guest agent, the sandbox cgroup, the shared
 directory with every container's rootfs and files, the taps. The Pod (shim/pod/pod.py)
 owns one Machine per boot and calls it; nothing else reaches into it. The Machine holds
-the plan in force and its steps in a VMResizer (shim/vm/resize.py) and its templates in a
-Restorer (shim/vm/template/restore.py), handing each the VM and agent it acts on.
+where the VM's threads run in a VMThreads (shim/cpus/vmthreads.py), the plan in force and
+its steps in a VMResizer (shim/vm/resize.py) and its templates in a Restorer
+(shim/vm/template/restore.py), handing each the VM and agent it acts on.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -17,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from ..config import Config
+from ..cpus.vmthreads import VMThreads
 from ..host import mounts, paths
 from ..host.cgroup import HostCgroup, layout_for
 from ..host.cleanup import remove_tree
@@ -73,11 +75,11 @@ class Machine:
         self.state = PodState(sandbox_id=sandbox_id, cgroup=self.cgroup.state(), plan=plan,
                               pod_name=pod_name[0], pod_namespace=pod_name[1])
         """What is persisted in sandbox.json, replaced (and saved) by record()."""
-        self.resizer = VMResizer(sandbox_id, plan, self.cgroup,
+        self.threads = VMThreads(sandbox_id, self.cgroup,
                                  config.runtime.enable_vcpus_pinning, self.record)
+        self.resizer = VMResizer(sandbox_id, plan, self.cgroup, self.threads, self.record)
         self.restorer = Restorer(sandbox_id, self.cgroup,
                                  config.runtime.static_sandbox_resource_mgmt, self.record)
-        self._watch: asyncio.Task | None = None
         self._port_forwarder: "PortForwarder | None" = None
 
     @property
@@ -88,7 +90,7 @@ class Machine:
     @property
     def vcpu_pins(self) -> list[frozenset[int]]:
         """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
-        return self.resizer.vcpu_pins
+        return self.threads.vcpu_pins
 
     @property
     def pid(self) -> int:
@@ -207,7 +209,7 @@ class Machine:
                     qemu_jail_id=self.vm.jail_id)
         self.agent = Agent.of_vm(self.vm)
         # The host's side asks nothing of the guest: it goes on while the guest resumes.
-        placing = asyncio.ensure_future(self._place_threads())
+        placing = asyncio.ensure_future(self.threads.place(self.vm, self.plan))
         try:
             if template is not None:  # before anything else is asked of the guest
                 await self.restorer.resume(template, self.agent, self.vm, vm.spec.nics,
@@ -244,13 +246,6 @@ class Machine:
         await self.agent.configure_network(network, timeout)
         log.info("sandbox %s: guest network configured in %.2fs", self.id,
                  time.monotonic() - started)
-
-    async def _place_threads(self) -> None:
-        """QEMU's threads into their cgroups by role, the vCPUs pinned, and watched."""
-        assert self.vm is not None
-        await self.cgroup.place(self.vm)
-        await self.resizer.pin(self.vm)
-        self._watch = asyncio.create_task(self.cgroup.watch(self.vm))
 
     async def _attach_network(self, spec: VMSpec) -> tuple[TapNic, ...]:
         """The pod's interfaces bridged to taps by its network worker, recorded; the taps'
@@ -333,9 +328,7 @@ class Machine:
             except Exception as exc:
                 log.debug("agent shutdown: %s", exc)
             await agent.close()
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        self.threads.stop()
         await self.restorer.cancel_template()  # its VM stopped, its files gone
         if self.vm is not None:
             await self.vm.stop(timeout=5)

@@ -1,7 +1,8 @@
 """The plan in force on one pod's VM, and each step of it carried out: the sandbox
-cgroup's limits, vCPUs and memory hot-plugged, the guest bringing them online, the vCPUs
-re-pinned; or put back as they were when a step fails. The Machine (shim/vm/machine.py)
-holds one VMResizer and hands it the VM and the agent it acts on."""
+cgroup's limits, vCPUs and memory hot-plugged, their threads placed, the guest bringing
+them online, the vCPUs re-pinned; or put back as they were when a step fails. The Machine
+(shim/vm/machine.py) holds one VMResizer, gives it the VM's threads
+(shim/cpus/vmthreads.py) and hands it the VM and the agent it acts on."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,15 +10,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-from podvm_core.cpulist import format_cpu_list, parse_cpu_list
-
-from ..cpus import pinning
 from ..host.podstate import VMReport
-from .hypervisor import HypervisorError, ThreadRole
+from .hypervisor import HypervisorError
 from ..resources import PlanDelta
 
 if TYPE_CHECKING:
     from ..host.cgroup import HostCgroup
+    from ..cpus.vmthreads import VMThreads
     from ..resources import SandboxPlan
     from .agent import Agent
     from .hypervisor import VM
@@ -26,22 +25,20 @@ log = logging.getLogger("podvm.machine")
 
 
 class VMResizer:
-    """The plan in force, where the vCPUs run and what the guest last reported; each
-    change recorded with `record` (the Machine's: sandbox.json) before anything acts on
-    it."""
+    """The plan in force and what the guest last reported; each change recorded with
+    `record` (the Machine's: sandbox.json) before anything acts on it."""
 
     def __init__(self, sandbox_id: str, plan: SandboxPlan, cgroup: HostCgroup,
-                 pin_vcpus: bool, record: Callable[..., None]) -> None:
-        """`pin_vcpus`: enable_vcpus_pinning."""
+                 threads: VMThreads, record: Callable[..., None]) -> None:
+        """`cgroup`: the sandbox cgroup, whose limits each step sets; `threads`: where
+        the VM's threads run, which each step follows."""
         self.id = sandbox_id
         self.plan = plan
         """The plan in force."""
-        self.vcpu_pins: list[frozenset[int]] = []
-        """Where each vCPU may run, by vCPU index (empty: anywhere in the pod cgroup)."""
         self.report: VMReport | None = None
         """What the guest and QEMU said last (record_vm)."""
         self._cgroup = cgroup
-        self._pin_vcpus = pin_vcpus
+        self._threads = threads
         self._record = record
 
     async def resize(self, vm: VM, agent: Agent, delta: PlanDelta) -> None:
@@ -51,18 +48,20 @@ class VMResizer:
         a shrink takes vCPUs offline in the guest (they stay plugged, their threads
         asleep: see add_vcpus in shim/vm/qemu/hotplug.py), then lowers the limits. A
         failure puts back the limits and online vCPUs in force before; hot-plugged memory
-        cannot be taken back and is recorded as the VM's."""
+        cannot be taken back and is recorded as the VM's. Either way the plan then in
+        force is recorded and the vCPUs pinned to it."""
         old = self.plan
         for note in delta.notes:
             log.info("sandbox %s: %s", self.id, note)
         added_mib = 0
+        failure: BaseException | None = None
         try:
             if delta.grows:
                 self._cgroup.apply(delta.plan)
             present, _ = await vm.size()
             if delta.plan.vcpus > present:
                 await vm.add_vcpus(delta.plan.vcpus - present)
-                await self._cgroup.place_new(vm)
+                await self._threads.place_new(vm)
             if delta.add_memory_mib:
                 await vm.add_memory(delta.add_memory_mib)
                 added_mib = delta.add_memory_mib
@@ -70,22 +69,24 @@ class VMResizer:
                 await self._online(vm, agent, delta.plan.vcpus, added_mib)
             if not delta.grows:
                 self._cgroup.apply(delta.plan)
+            in_force = delta.plan
         except BaseException as exc:
             log.error("sandbox %s: resize failed (%s); back to the plan in force", self.id, exc)
-            kept = dataclasses.replace(
+            in_force = dataclasses.replace(
                 old, memory_mib=old.memory_mib + added_mib,
                 cgroup_memory_limit=old.cgroup_memory_limit + (added_mib << 20)
                 if old.cgroup_memory_limit > 0 else old.cgroup_memory_limit)
             try:
-                self._cgroup.apply(kept)
-                await self._online(vm, agent, kept.vcpus, 0)
+                self._cgroup.apply(in_force)
+                await self._online(vm, agent, in_force.vcpus, 0)
             except Exception as undo:
                 log.error("sandbox %s: could not restore the plan in force: %s", self.id, undo)
-            self._record_plan(kept)
-            await self.pin(vm)
-            raise
-        self._record_plan(delta.plan)
-        await self.pin(vm)
+            failure = exc
+        self.plan = in_force
+        self._record(plan=in_force)
+        await self._threads.pin(vm, in_force)
+        if failure is not None:
+            raise failure
 
     async def grow_restored(self, vm: VM, agent: Agent) -> None:
         """A VM restored from its class's template (shim/vm/template/template.py, base_of)
@@ -102,23 +103,6 @@ class VMResizer:
                  "%.2fs", self.id, vcpus, memory, self.plan.vcpus, self.plan.memory_mib,
                  time.monotonic() - started)
 
-    async def pin(self, vm: VM) -> None:
-        """vCPU threads on the pod's cpuset (no cpuset: the CPUs its cgroup allows): 1:1
-        when enable_vcpus_pinning and the online vCPUs and the CPUs are as many, else
-        floating over the set. Done after every change: an affinity set here outlives
-        a later, wider cpuset (Linux keeps the user's mask), so it is always rewritten."""
-        cpuset = parse_cpu_list(self.plan.cpuset) if self.plan.cpuset else \
-            self._cgroup.vcpu_cpus()
-        vcpus = (await vm.threads()).get(ThreadRole.VCPU, [])
-        pins = pinning.pin_map(vcpus, self.plan.vcpus, cpuset, self._pin_vcpus)
-        pinning.apply(pins, owner=vm.pid)
-        self.vcpu_pins = [pins.get(t, frozenset()) for t in vcpus[:self.plan.vcpus]]
-        self._record(vcpu_pins=tuple(format_cpu_list(p) for p in self.vcpu_pins))
-        if pins:
-            log.info("sandbox %s: vCPUs on host CPUs %s", self.id,
-                     ", ".join(f"{i}->{format_cpu_list(p)}"
-                               for i, p in enumerate(self.vcpu_pins)))
-
     def record_vm(self, online_cpus: int, memory_total_bytes: int,
                   qemu_size: tuple[int, int] | None = None) -> None:
         """What the guest reports it has and what QEMU says it gave (vCPUs present,
@@ -133,10 +117,6 @@ class VMResizer:
                                memory_total_mib=memory_total_bytes >> 20, at=time.time(),
                                qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib)
         self._record(vm=self.report)
-
-    def _record_plan(self, plan: SandboxPlan) -> None:
-        self.plan = plan
-        self._record(plan=plan)
 
     async def _online(self, vm: VM, agent: Agent, vcpus: int, added_mib: int) -> None:
         """Exactly `vcpus` online in the guest, and `added_mib` more memory."""

@@ -13,9 +13,9 @@ import pytest
 
 from shim.config import HypervisorConfig
 from shim.cpus import pinning
+from shim.cpus.vmthreads import VMThreads
 from shim.vm.hypervisor import HypervisorError, ThreadRole, VMSpec
 from shim.vm.qemu.driver import QemuVM
-from shim.vm.resize import VMResizer
 
 THREADED = ("import threading, time\n"
             "for _ in range(2): threading.Thread(target=time.sleep, args=(600,), "
@@ -67,10 +67,12 @@ def vm_of(qemu: subprocess.Popen, qmp: QMP, tmp_path) -> QemuVM:
     return vm
 
 
-def resizer() -> VMResizer:
-    """What pin() reads: the pod's cpuset is CPU 0, its one vCPU pinned."""
-    plan = SimpleNamespace(cpuset="0", vcpus=1)
-    return VMResizer("lying", plan, cgroup=None, pin_vcpus=True,  # type: ignore[arg-type]
+PLAN = SimpleNamespace(cpuset="0", vcpus=1)
+"""What pin() reads: the pod's cpuset is CPU 0, its one vCPU pinned."""
+
+
+def vm_threads() -> VMThreads:
+    return VMThreads("lying", cgroup=None, pin_vcpus=True,  # type: ignore[arg-type]
                      record=lambda **fields: None)
 
 
@@ -87,7 +89,7 @@ async def test_a_qmp_that_names_another_process_s_threads_gets_nothing_pinned(
     assert before[victim] != {0}
     vm = vm_of(qemu, QMP(vcpus=[victim], iothreads=[containerd.pid]), tmp_path)
     with pytest.raises(HypervisorError) as err:
-        await resizer().pin(vm)
+        await vm_threads().pin(vm, PLAN)
     message = str(err.value)
     assert f"QEMU (pid {qemu.pid}) reported thread ids that are not its own" in message
     assert f"{containerd.pid}, {victim}" in message or \
@@ -102,7 +104,7 @@ async def test_a_qmp_that_tells_the_truth_has_its_vcpu_pinned(processes, tmp_pat
     qemu = processes()
     own = tasks(qemu.pid)[1]
     vm = vm_of(qemu, QMP(vcpus=[own]), tmp_path)
-    await resizer().pin(vm)
+    await vm_threads().pin(vm, PLAN)
     assert os.sched_getaffinity(own) == {0}
     roles = await vm.threads()
     assert roles[ThreadRole.VCPU] == [own] and roles[ThreadRole.MAIN] == [qemu.pid]
