@@ -14,9 +14,10 @@ ROOT_MODULES = ["virtio_pci", "virtio_pmem", "nd_pmem", "crc32c_generic", "erofs
 # (shim/config.py's shared_fs), virtio_net for the pod's interfaces,
 # virtio_balloon to hand the pages the guest frees back to the host, virtio_blk, ext4
 # and overlay for the containers' writable layers on the pod's scratch disk
-# (guest/agent/writable.py).
+# (guest/agent/writable.py), quota_v2 for its project quotas (guest/agent/quota.py: ext4
+# keeps them in hidden inodes, in that format, and mounts nothing with quotas without it).
 MODULES = ["virtio_console", "virtiofs", "9pnet_virtio", "9p", "virtio_net", "virtio_balloon",
-           "virtio_blk", "ext4", "overlay"]
+           "virtio_blk", "ext4", "quota_v2", "overlay"]
 # Loaded on demand, as on a node: what a privileged container (or one with NET_ADMIN or
 # SYS_ADMIN) can use under runc and would miss in the guest: bridges, netfilter (nft and
 # iptables), tun, fuse, veth, dummy, VLAN, macvlan, ipvlan, vxlan. Paths under

@@ -85,7 +85,7 @@ def podvm_runtime(version: int, sandboxer: bool = False) -> dict:
     runtime = {"runtime_type": "io.containerd.podvm.v2"}
     if sandboxer:
         runtime["sandboxer"] = "shim"
-    runtime.update({"pod_annotations": ["io.katacontainers.*"],
+    runtime.update({"pod_annotations": ["io.katacontainers.*", "storage.podvm.io/*"],
                     "privileged_without_host_devices": True,
                     "options": {"ConfigPath": PODVM_CONFIG}})
     return runtime

@@ -24,7 +24,7 @@ from prometheus_client.samples import Sample
 
 from shim import config
 from shim.cpus.allocator import DEFAULT_DIR as CPUS_DIR, Allocator, AllocatorError
-from shim.host import paths
+from shim.host import diskreserve, paths
 from shim.host.podstate import PodState
 from shim.vm.template import store as templatestore
 
@@ -47,11 +47,15 @@ SANDBOX_GAUGES: tuple[tuple[str, str], ...] = (
     ("guest_online_vcpus", "vCPUs online in the guest, as it last reported."),
     ("guest_memory_total_bytes", "The guest's MemTotal, as it last reported."),
     ("memory_charged_bytes", "Memory the host charges the sandbox cgroup now."),
+    ("plan_disk_bytes", "The pod's scratch disk: its ephemeral-storage limits and emptyDir "
+                        "sizeLimits plus ext4's share, the most it takes on the host."),
+    ("disk_used_bytes", "Host disk the pod's scratch disk takes now (its allocated blocks)."),
     ("boot_seconds", "From QEMU's launch (or restore) to the guest agent's first answer."),
     ("restored", "1 when the VM was restored from a template, 0 when it booted."),
     ("agent_rtt_seconds", "One round trip to the guest agent, timed once it was up."),
 )
 RUNNING, CHARGED = "podvm_sandbox_running", "podvm_sandbox_memory_charged_bytes"
+DISK_USED = "podvm_sandbox_disk_used_bytes"
 CPU, HOST_OOM, GUEST_OOM = (f"podvm_sandbox_{name}_total" for name in (
     "vmm_cpu_seconds", "host_oom_kills", "guest_oom_kills"))
 """The samples' names (a counter's have _total, as CounterMetricFamily.add_metric's)."""
@@ -66,7 +70,7 @@ class NodeCollector(Collector):
         self.template_path = template_path
         self.cpus_dir = cpus_dir
         self._allocator: Allocator | None = None
-        self._sandboxes = SandboxFamilies()
+        self._sandboxes = SandboxFamilies(reader.proc)
 
     def collect(self) -> Iterator[Metric]:
         sandboxes = list(self.reader.sandboxes())
@@ -141,8 +145,10 @@ class SandboxFamilies:
     samples once per state (the Reader hands the same PodState while sandbox.json is
     unchanged); a scrape adds the samples of what it read."""
 
-    def __init__(self) -> None:
+    def __init__(self, proc: str = "/proc") -> None:
         self._made: dict[tuple[str, str], tuple[PodState, dict[str, str], list[Sample]]] = {}
+        self._proc = proc
+        """The host's /proc, where a QEMU's descriptors lead to its pod's scratch disk."""
 
     def families(self, sandboxes: Iterable[Sandbox]) -> list[Metric]:
         gauges = {name: GaugeMetricFamily(f"podvm_sandbox_{name}", text, labels=LABELS)
@@ -167,6 +173,10 @@ class SandboxFamilies:
             if box.memory_bytes is not None:
                 gauges["memory_charged_bytes"].samples.append(
                     Sample(CHARGED, labels, box.memory_bytes))
+            disk = diskreserve.of_pod(box.state, None, self._proc) if box.running else None
+            if disk is not None:
+                gauges["disk_used_bytes"].samples.append(
+                    Sample(DISK_USED, labels, disk.st_blocks * 512))
             for role, seconds in sorted(box.cpu_seconds.items()):
                 cpu.samples.append(Sample(CPU, {**labels, "role": role}, seconds))
             if box.host_oom_kills is not None:
@@ -196,6 +206,8 @@ def state_values(state: PodState) -> dict[str, float]:
         "restored": int(bool(state.restored_from))}
     if plan.uncapped_vcpus > plan.vcpus:
         values["plan_uncapped_vcpus"] = plan.uncapped_vcpus
+    if plan.disk_mib:
+        values["plan_disk_bytes"] = plan.disk_mib * MIB
     if vm is not None:
         values["guest_online_vcpus"] = vm.online_cpus
         values["guest_memory_total_bytes"] = vm.memory_total_mib * MIB

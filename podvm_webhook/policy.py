@@ -11,7 +11,12 @@ mode the configuration sets.
   overhead smaller than the plan's. Admitted pods get the sizing annotations the plan was
   computed with (those `enable_annotations` allows and the user did not set), so the node
   boots the same VM whatever its own defaults, and `podvm.io/vm`: that VM's size.
-- dynamic: nothing annotated; a warning when the declared overhead differs from the plan's.
+- dynamic: no sizing annotation; a warning when the declared overhead differs from the plan's.
+- Either mode, admitted: `storage.podvm.io/limits` (shim/resources/storage.py), the pod's
+  ephemeral-storage limits and disk emptyDirs' sizeLimits, which size its scratch disk on
+  the node (kubelet does not pass them through the CRI); one the user set is kept, and
+  refused when malformed. The plan's explanation says what has no limit (it shares the
+  default).
 
 Pure: no I/O, no HTTP; `podvmctl plan` and the server share it."""
 from __future__ import annotations
@@ -25,8 +30,9 @@ from shim.resources.planner import PodPlanner, pod_cgroup_memory_mib
 from shim.resources import Host, PlanError, SandboxPlan
 from shim.resources.annotations import KATA
 from shim.resources.model import MIB
-from shim.resources.podspec import (RESOURCES, ContainerSpec, PodSpec, pod_cgroup, read_pod,
-                                    sandbox_resources)
+from shim.resources import storage
+from shim.resources.podspec import (RESOURCES, ContainerSpec, PodSpec, pod_cgroup, pod_storage,
+                                    read_pod, sandbox_resources)
 from shim.resources.quantity import ceil_milli, ceil_value
 
 ANY_NODE = Host(cpus=1 << 20, memory_mib=1 << 40)
@@ -86,9 +92,10 @@ def admit(obj: object, policy: Policy) -> Verdict:
         return Verdict(podvm=True, allowed=False, code=BAD_REQUEST, mode=mode,
                        reasons=(f"the pod cannot be sized: {exc}",))
     reasons = list(_static_problems(pod)) if policy.static else []
+    added = _storage_annotation(pod)
     plan = None
     try:
-        plan = _plan(pod, policy.config)
+        plan = _plan(pod, policy.config, {**pod.annotations, **added})
     except PlanError as exc:
         reasons.append(str(exc))
     explanation = (f"runtime class {pod.runtime_class}, {mode} mode "
@@ -106,16 +113,23 @@ def admit(obj: object, policy: Policy) -> Verdict:
                        plan=plan, mode=mode, explanation=explanation)
     if not policy.static:
         return Verdict(podvm=True, allowed=True, plan=plan, mode=mode, explanation=explanation,
-                       warnings=(overhead[1],) if overhead else ())
+                       warnings=(overhead[1],) if overhead else (), annotations=added)
     return Verdict(podvm=True, allowed=True, plan=plan, mode=mode, explanation=explanation,
                    annotations={**_sizing_annotations(pod, policy.config),
-                                VM_ANNOTATION: vm_size(plan)})
+                                VM_ANNOTATION: vm_size(plan), **added})
 
 
-def _plan(pod: PodSpec, config: Config) -> SandboxPlan:
+def _storage_annotation(pod: PodSpec) -> dict[str, str]:
+    """The storage annotation to add; none where the user set one (the plan checks it)."""
+    if storage.ANNOTATION in pod.annotations:
+        return {}
+    return {storage.ANNOTATION: storage.encode(pod_storage(pod))}
+
+
+def _plan(pod: PodSpec, config: Config, annotations: dict[str, str]) -> SandboxPlan:
     """The plan the shim will make on the node, from what kubelet will give it."""
     cgroup = pod_cgroup(pod)
-    planner = PodPlanner(config, pod.annotations, sandbox_resources(pod), ANY_NODE,
+    planner = PodPlanner(config, annotations, sandbox_resources(pod), ANY_NODE,
                          pod_cgroup_memory_mib(cgroup.memory_bytes,
                                                cgroup.overhead_memory_bytes),
                          cgroup.cpus)

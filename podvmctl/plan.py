@@ -100,7 +100,9 @@ def render(what: str, verdict: Verdict, policy: Policy) -> str:
     lines = [f"{what}: " + ("ADMITTED" if verdict.allowed else "REFUSED")]
     plan = verdict.plan
     if plan is not None:
-        lines.append(f"  VM: {plan.vcpus} vCPUs, {plan.memory_mib} MiB; the RuntimeClass "
+        lines.append(f"  VM: {plan.vcpus} vCPUs, {plan.memory_mib} MiB" + (
+                     f", a {plan.disk_mib} MiB scratch disk" if plan.disk_mib else "") +
+                     f"; the RuntimeClass "
                      f"overhead it needs: memory {plan.overhead_memory_mib}Mi, cpu "
                      f"{plan.overhead_cpu_millis}m")
     lines += [f"  refused: {reason}" for reason in verdict.reasons]

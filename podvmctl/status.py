@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import cgroups
 
-from shim.host import paths, shimstate
+from shim.host import diskreserve, paths, shimstate
 from shim.host.cleanup import processes_of
 from shim.vm.qemu.jail import confinement
 from shim.host.podstate import STATE_FILE, PodState, state_path
@@ -89,6 +89,10 @@ def collect(state_dir: str) -> dict:
             outside.append(f"QEMU {state.qemu_pid} has exited")
         else:
             report["confinement"] = confinement(state.qemu_pid)
+            disk = diskreserve.of_pod(state, None)
+            if disk is not None:
+                report["disk"] = {"size_bytes": disk.st_size,
+                                  "held_bytes": disk.st_blocks * 512}
     report["file_daemon"] = [dict(pid=pid, **confinement(pid)) for pid in
                              processes_of("virtiofsd", state_dir + "/")]
     back = sandbox.read_back()
@@ -122,6 +126,10 @@ def differences(report: dict) -> list[str]:
         if want_quota > 0 and have_quota != want_quota:
             out.append(f"cpu: the plan says quota {want_quota} us, the sandbox cgroup has "
                        f"{have_quota or 'none'}")
+    disk = report.get("disk") or {}
+    if plan.get("disk_mib") and disk and disk["size_bytes"] != plan["disk_mib"] * MIB:
+        out.append(f"disk: the plan says a {plan['disk_mib']} MiB scratch disk, QEMU's is "
+                   f"{disk['size_bytes'] // MIB} MiB")
     vm = report.get("vm") or {}
     if plan and vm.get("online_cpus") and vm["online_cpus"] != plan.get("vcpus"):
         out.append(f"vCPUs: the plan says {plan.get('vcpus')}, the guest has "
@@ -232,6 +240,11 @@ def render(report: dict) -> str:
             f", cpuset {plan['cpuset'] or 'all'}",
             f"Kubernetes: the RuntimeClass overhead for this plan is memory "
             f"{plan['overhead_memory_mib']}Mi, cpu {plan['overhead_cpu_millis']}m"]
+        if plan.get("disk_mib"):
+            disk = report.get("disk")
+            lines.append(f"scratch disk: {plan['disk_mib']} MiB" + (
+                f", holding {disk['held_bytes'] / MIB:.1f} MiB of the host's disk now"
+                if disk else ""))
         lines += [f"  why: {line}" for line in plan.get("explanation", [])]
     if vm:
         lines.append(f"VM: QEMU gave it {vm.get('qemu_vcpus', '?')} vCPUs and "

@@ -108,16 +108,23 @@ class HypervisorConfig:
     virtio_fs_cache: str = "auto"
     """Kata's key: virtiofsd's cache mode, "auto", "always" or "none"."""
     scratch_disk_mib: int = 10240
-    """The pod's scratch disk (a virtio-blk disk of this size, sparse on the host, gone
-    with the pod; shim/vm/scratchdisk.py): every container's writable layer is there,
-    an overlay in the guest over its image from the share. 0: no disk, the writable
-    layer is the host's (containerd's snapshot) and every file operation crosses the
-    share."""
+    """The pod's scratch disk (a virtio-blk disk, sparse on the host, gone with the pod;
+    shim/vm/scratchdisk.py): every container's writable layer is there, an overlay in
+    the guest over its image from the share. Its size is the pod's own (the
+    ephemeral-storage limits and emptyDir sizeLimits podvm-webhook annotates,
+    shim/resources/storage.py); this is the default where none is given: once for all
+    of a pod's unbounded containers and emptyDirs, or the whole disk of a pod without
+    the annotation. 0: no disk, the writable layer is the host's (containerd's
+    snapshot) and every file operation crosses the share."""
     scratch_path: str = "/var/lib/podvm/scratch"
     """A directory on a disk (not a tmpfs: the disks' data would be host memory) for the
     scratch disks, which have no name there, and the blank file system they start as."""
     scratch_mke2fs: str = "/sbin/mke2fs"
-    """e2fsprogs' mke2fs, which makes the blank file system (once per size)."""
+    """e2fsprogs' mke2fs, which makes the blank file system (once)."""
+    scratch_reserve_mib: int = 1024
+    """Free space on scratch_path's file system that no pod may claim: a pod whose disk
+    does not fit in the free space less what running pods' disks may still take less
+    this is refused before its VM boots (shim/host/diskreserve.py)."""
 
     @property
     def vmm_overhead_mib(self) -> int:
@@ -339,6 +346,9 @@ def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
     if q.scratch_disk_mib and not 64 <= q.scratch_disk_mib <= 1 << 24:
         raise ConfigError(f"{where} scratch_disk_mib must be 0 (no scratch disk) or 64 to "
                           f"{1 << 24} (MiB), got {q.scratch_disk_mib}")
+    if q.scratch_reserve_mib < 0:
+        raise ConfigError(f"{where} scratch_reserve_mib must be 0 or more (MiB), got "
+                          f"{q.scratch_reserve_mib}")
     if q.scratch_disk_mib and not os.path.isabs(q.scratch_path):
         raise ConfigError(f"{where} scratch_path must be an absolute path, got "
                           f"{q.scratch_path!r}")

@@ -102,6 +102,11 @@ class FakeAgent:
         return pb.OnlineCPUMemResponse(online_cpus=self.guest.online_cpus,
                                        memory_total_bytes=self._memory)
 
+    async def GrowScratch(self, req: pb.GrowScratchRequest,
+                          ctx: Context) -> pb.GrowScratchResponse:
+        """A fake VM has no scratch disk to grow: the size asked for, as a grown one."""
+        return pb.GrowScratchResponse(filesystem_bytes=req.size_bytes)
+
     async def GetOOMEvent(self, req: pb.GetOOMEventRequest, ctx: Context) -> pb.OOMEvent:
         return pb.OOMEvent(container_id=await self.guest.oom.get())
 

@@ -12,6 +12,8 @@ What it has of QEMU's, for the host side to act on:
   shim/vm/qemu/query.py and hotplug.py send, with QEMU's slots: under TCG every vCPU the
   VM may have is present from the start (shim/vm/qemu/command.py), under KVM the free
   slots are hot-plugged (a new thread each); memory in pc-dimms, 8 slots, up to maxmem;
+  `stop` and `cont` with QEMU's run states and STOP/RESUME events to every client (a
+  test that connects may stop the VM, as an operator would);
 - exits as QEMU does: 0 on SIGTERM, on QMP `quit` and on the agent's Shutdown (the guest
   powered off), with everything it ran killed.
 
@@ -34,6 +36,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 PR_SET_NAME = 15
@@ -70,6 +73,9 @@ class Guest:
         self.dimms: dict[str, int] = {}
         """pc-dimms by id -> bytes (all of them online once the agent is asked)."""
         self.stopping = threading.Event()
+        self.run_state = "prelaunch"
+        """As QEMU's query-status says it: `cont` runs the VM, `stop` pauses it (a test's
+        QMP client may stop it, as an operator would: every client hears STOP)."""
         self.oom = asyncio.Queue()  # type: asyncio.Queue[str]
         """Container ids whose OOM kill the agent's GetOOMEvent reports (x-fake-oom)."""
         self._thread("call_rcu")
@@ -103,8 +109,14 @@ class Guest:
 
     def execute(self, command: str, args: dict[str, Any]) -> Any:
         """One QMP command, answered as QEMU 7.2 answers it (the part the driver reads)."""
-        if command in ("qmp_capabilities", "cont", "stop"):
+        if command == "qmp_capabilities":
             return {}
+        if command in ("cont", "stop"):
+            self.run_state = "running" if command == "cont" else "paused"
+            return {}
+        if command == "query-status":
+            return {"running": self.run_state == "running", "singlestep": False,
+                    "status": self.run_state}
         if command == "query-cpus-fast":
             return [{"cpu-index": i, "thread-id": tid, "qom-path": f"/machine/cpu[{i}]",
                      "props": self._props(i), "target": "x86_64"}
@@ -179,7 +191,10 @@ async def _messages(reader: asyncio.StreamReader):
 
 async def serve_qmp(guest: Guest, path: str, quit: asyncio.Event) -> asyncio.AbstractServer:
     """QMP on `path`: the greeting, then one JSON object a line each way."""
+    sessions: set[asyncio.StreamWriter] = set()
+
     async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sessions.add(writer)
         writer.write(json.dumps({"QMP": {"version": {"qemu": {
             "major": 7, "minor": 2, "micro": 0}, "package": "(podvm fake)"},
             "capabilities": []}}).encode() + b"\r\n")
@@ -195,15 +210,27 @@ async def serve_qmp(guest: Guest, path: str, quit: asyncio.Event) -> asyncio.Abs
                 except (KeyError, TypeError, ValueError) as exc:
                     reply["error"] = {"class": "GenericError", "desc": f"bad arguments: {exc}"}
                 writer.write(json.dumps(reply).encode() + b"\r\n")
+                if command in ("stop", "cont") and "error" not in reply:
+                    _event(sessions, "STOP" if command == "stop" else "RESUME")
                 await writer.drain()
                 if command == "quit":
                     quit.set()
         except (ConnectionError, ValueError):
             pass
         finally:
+            sessions.discard(writer)
             writer.close()
 
     return await asyncio.start_unix_server(session, path=path)
+
+
+def _event(sessions: set[asyncio.StreamWriter], name: str) -> None:
+    """An event to every QMP client, as QEMU sends them."""
+    now = time.time()
+    event = {"event": name, "data": {}, "timestamp": {
+        "seconds": int(now), "microseconds": int(now % 1 * 1e6)}}
+    for writer in list(sessions):
+        writer.write(json.dumps(event).encode() + b"\r\n")
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from shim.host.processes import end_child, ended, peek_exit
 from shim.vm.hypervisor import (BootTimeout, HypervisorError, MemoryAhead, MissingFile,
                                 SavedVM, ThreadRole, VM, VMExited, VMSpec)
 from shim.vm.qemu import hotplug, query
+from shim.vm.qemu.monitor import RunWatch
 from shim.vm.vmmlog import PipeLog, tail
 
 PROGRAM = "qemu-system-podvm-fake"
@@ -52,6 +53,7 @@ class FakeVM(VM):
         self._agent_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._log: PipeLog | None = None
         self._booted = False
+        self._run = RunWatch(spec.sandbox_id)
 
     @property
     def pid(self) -> int:
@@ -228,6 +230,20 @@ class FakeVM(VM):
             os.unlink(self.control_socket)
         except FileNotFoundError:
             pass
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass
+
+    async def unasked_stop(self) -> str:
+        """QEMU's own watch (shim/vm/qemu/monitor.py) on the fake's QMP: a test's client
+        that stops the fake guest makes it say STOP, as QEMU would."""
+        await self._execute("query-status")
+        assert self._qmp is not None
+        return await self._run.unasked_stop(self._qmp, self._execute)
 
     def console_tail(self, size: int = 2000) -> str:
         return tail(os.path.join(self.spec.workdir, LOG), size) or "(nothing)"

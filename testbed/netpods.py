@@ -23,7 +23,9 @@ HTTP_PORT = 8080
 
 def pod_network_config(ctd: Containerd, configs: pathlib.Path, name: str, **extra) -> dict:
     """A pod on the POD network, its logs and cgroups where the test can clean them up.
-    snake_case and numeric enums: the real crictl reads only those."""
+    snake_case and numeric enums: the real crictl reads only those. The log directory is
+    made, as kubelet makes it before RunPodSandbox."""
+    (configs / "logs" / name).mkdir(parents=True, exist_ok=True)
     return {
         "metadata": {"name": name, "namespace": "podvm-test", "uid": f"uid-{name}",
                      "attempt": 0},

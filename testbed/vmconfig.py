@@ -120,7 +120,8 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     lines.append(f"allow_legacy_virtiofsd = {json.dumps(q.allow_legacy_virtiofsd)}")
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
-                "boot_timeout", "template_max_count", "template_max_mib", "scratch_disk_mib"):
+                "boot_timeout", "template_max_count", "template_max_mib", "scratch_disk_mib",
+                "scratch_reserve_mib"):
         lines.append(f"{key} = {getattr(q, key)}")
     lines.append("[runtime]")
     for key, value in (runtime or {}).items():

@@ -1,6 +1,7 @@
 """The C library's calls Python's os module lacks, for the agent: mount(2), umount2(2),
-reboot(2), inotify(7). One handle, loaded with the agent (resume.py needs it on the
-restore path, where an import costs 0.1 s under TCG), errors raised as OSError."""
+reboot(2), inotify(7), quotactl_fd(2). One handle, loaded with the agent (resume.py
+needs it on the restore path, where an import costs 0.1 s under TCG), errors raised as
+OSError."""
 from __future__ import annotations
 
 import ctypes
@@ -44,3 +45,12 @@ def inotify_add_watch(fd: int, path: str, mask: int) -> int:
 
 def inotify_rm_watch(fd: int, wd: int) -> None:
     _LIBC.inotify_rm_watch(fd, wd)  # gone already if what it watched went
+
+
+_SYS_QUOTACTL_FD = 443  # x86_64, Linux 5.14+; glibc has no wrapper
+
+
+def quotactl_fd(fd: int, cmd: int, id: int, buf: ctypes.Array) -> None:
+    """quotactl_fd(2) on the file system `fd` is on: `buf` is read and written in place."""
+    _check(_LIBC.syscall(_SYS_QUOTACTL_FD, ctypes.c_int(fd), ctypes.c_uint(cmd),
+                         ctypes.c_uint(id), buf), "quotactl_fd")

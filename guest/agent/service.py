@@ -18,8 +18,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # resume: loaded at the start, so that it is in every template's memory and no
 # restored guest imports it (under TCG an import on the restore path costs 0.1 s)
-from . import (containers, holder, libc, network, oci, resources, resume, runc, volumes,
-               writable)
+from . import (containers, holder, libc, network, oci, quota, resources, resume, runc,
+               scratchgrow, volumes, writable)
 from .containers import Container
 from .oom import OOMKills
 
@@ -124,9 +124,10 @@ class AgentService:
             self.containers[req.container_id] = container
             return pb.CreateContainerResponse(pid=container.init.pid)
         root = (spec.get("root") or {}).get("path", "")
-        volumes.make(req.local_dirs)
+        limit, volume_limits = quota.limits(spec)
+        volumes.make(req.local_dirs, volume_limits)
         if req.rootfs_lower:  # its writable layer on the scratch disk
-            writable.make(req.container_id, req.rootfs_lower, root)
+            writable.make(req.container_id, req.rootfs_lower, root, limit)
         elif not os.path.isdir(root):
             raise TtrpcError(Code.INVALID_ARGUMENT,
                              f"container {req.container_id}: rootfs {root!r} is not shared")
@@ -351,6 +352,10 @@ class AgentService:
             if done or time.monotonic() > deadline:
                 return pb.OnlineCPUMemResponse(online_cpus=cpus, memory_total_bytes=memory)
             await asyncio.sleep(0.05)
+
+    async def GrowScratch(self, req: pb.GrowScratchRequest,
+                          ctx: Context) -> pb.GrowScratchResponse:
+        return pb.GrowScratchResponse(filesystem_bytes=await scratchgrow.grow(req.size_bytes))
 
     async def GetOOMEvent(self, req: pb.GetOOMEventRequest, ctx: Context) -> pb.OOMEvent:
         return pb.OOMEvent(container_id=await self.oom_kills.next())

@@ -7,21 +7,27 @@ times). What a container reads of its image still comes from the share.
 
 The disk is found by its serial (shim/vm/qemu/command.py SCRATCH_SERIAL), mounted at
 the first container that needs it; a container's layer (under LAYERS) goes with the
-container. The pod's own volumes are on the disk too (volumes.py)."""
+container. The pod's own volumes are on the disk too (volumes.py). Each layer is a quota
+project of its own, bounded by the container's ephemeral-storage limit (quota.py); the
+disk is mounted with project quotas enforced (prjquota)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import struct
 
+from podvm_core.protocol import GUEST_VOLUMES
 from podvm_core.ttrpc import Code, TtrpcError
 
-from . import libc
+from . import libc, quota
 
 SCRATCH = "/run/podvm/scratch"
 LAYERS = f"{SCRATCH}/layers"
 SERIAL = "podvm-scratch"
+PROJECT_ROOTS = (LAYERS, GUEST_VOLUMES)
+"""Where the directories that are quota projects are (quota.new_project)."""
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 """A container id that is one path component (containerd's are narrower still)."""
 # noinit_itable: the blank file system's inode tables are left to be zeroed lazily,
@@ -30,6 +36,7 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # for every file removed made unlink 30 times slower; the disk is trimmed once when a
 # layer goes instead (FITRIM), which punches what it freed out of the host's file.
 _SCRATCH_OPTIONS = "noinit_itable"
+_QUOTAS = "prjquota"
 FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range)
 
 
@@ -53,7 +60,14 @@ def mount_scratch() -> None:
     os.makedirs(SCRATCH, mode=0o700, exist_ok=True)
     device = scratch_device()
     try:
-        libc.mount(device, SCRATCH, "ext4", libc.MS_NOATIME, _SCRATCH_OPTIONS)
+        try:
+            libc.mount(device, SCRATCH, "ext4", libc.MS_NOATIME,
+                       f"{_SCRATCH_OPTIONS},{_QUOTAS}")
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # a blank made before project quotas: its pods run, and a limit is refused
+            libc.mount(device, SCRATCH, "ext4", libc.MS_NOATIME, _SCRATCH_OPTIONS)
     except OSError as exc:
         raise TtrpcError(Code.FAILED_PRECONDITION, f"the pod's scratch disk: {exc}") from None
 
@@ -65,9 +79,10 @@ def layer_dir(container_id: str) -> str:
     return os.path.join(LAYERS, container_id)
 
 
-def make(container_id: str, lower: str, root: str) -> None:
-    """The container's root at `root`: an overlay of `lower` under a new writable layer.
-    All or nothing; a layer left by an earlier container of the same id is emptied."""
+def make(container_id: str, lower: str, root: str, limit: int | None = None) -> None:
+    """The container's root at `root`: an overlay of `lower` under a new writable layer
+    of at most `limit` bytes (None: bounded by the disk alone). All or nothing; a layer
+    left by an earlier container of the same id is emptied."""
     layer = layer_dir(container_id)
     if not os.path.isdir(lower):
         raise TtrpcError(Code.INVALID_ARGUMENT,
@@ -76,7 +91,13 @@ def make(container_id: str, lower: str, root: str) -> None:
     _remove_tree(layer)
     upper, work = os.path.join(layer, "upper"), os.path.join(layer, "work")
     try:
-        os.makedirs(upper, mode=0o755)
+        os.makedirs(layer, mode=0o755)
+        fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # before upper and work: both inherit it (overlayfs renames between them)
+            quota.new_project(fd, limit, f"container {container_id}", PROJECT_ROOTS)
+        finally:
+            os.close(fd)
+        os.mkdir(upper, 0o755)
         os.mkdir(work, 0o700)
         os.makedirs(root, mode=0o755, exist_ok=True)
         # lower/.: over virtio-fs the image is a submount of the share, mounted when a
@@ -84,6 +105,9 @@ def make(container_id: str, lower: str, root: str) -> None:
         # which overlayfs refuses)
         libc.mount("overlay", root, "overlay", 0,
                    f"lowerdir={lower}/.,upperdir={upper},workdir={work}")
+    except TtrpcError:
+        _remove_tree(layer)
+        raise
     except OSError as exc:
         _remove_tree(layer)
         raise TtrpcError(Code.FAILED_PRECONDITION, f"container {container_id}: its "

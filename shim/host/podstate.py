@@ -65,6 +65,9 @@ class PodState:
     qemu_pid: int = 0
     qemu_start_time: int | None = None
     """processes.start_time() of qemu_pid: tells it from a process that got its pid later."""
+    scratch_inode: int = 0
+    """The inode of the pod's scratch disk, an unnamed file QEMU holds (0: none yet), by
+    which the node finds what it takes (shim/host/diskreserve.py)."""
     qemu_jail_id: int | None = None
     """The uid and gid QEMU runs as (shim/host/jailids.py; None: not jailed); `delete`
     drops its claim after a crash."""

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Protocol
 
-from podvm_core.ttrpc import TtrpcError
+from podvm_core.ttrpc import Code, TtrpcError
 
 import cgroups
 
@@ -29,13 +29,15 @@ from ..network.ahead import WorkerAhead
 from ..resources import SandboxPlan
 from ..resources.model import from_linux_resources
 from ..resources.planner import PodPlanner, planned
-from ..vm.hypervisor import HypervisorError
+from ..vm.agent import RUNC
+from ..vm.hypervisor import HypervisorError, VMKilled
 from ..vm.machine import Machine
 from .containers import Containers
 from .errors import NotRunning, PodFilesError, Refused, StaticRefusal, StepFailed
 from .guestevents import oom_bucket, watch_oom
 from .hostns import refuse_host_namespaces, refuse_host_propagation
 from .podfiles import with_mounts
+from .podslot import KILLED_STATUS, VM_GONE_STATUS
 from .request import PodRequest
 from .resize import Resizer
 from .sysctls import check_pod_sysctls
@@ -49,8 +51,9 @@ log = logging.getLogger("podvm.pod")
 
 
 class PodListener(Protocol):
-    def vm_exited(self, error: HypervisorError) -> None:
-        """The VM died under the pod (not stopped on purpose)."""
+    def vm_exited(self, error: HypervisorError, status: int) -> None:
+        """The VM died under the pod, or was killed for not answering (not stopped on
+        purpose): each process still running in it ended with `status`."""
 
     def container_oom(self, container_id: str) -> None:
         """The guest's OOM killer killed a process of the container while it ran (a kill
@@ -72,6 +75,7 @@ class Pod:
         may have started it ahead (shim/network/ahead.py), else one of the pod's own."""
         self.cgroups_path = request.cgroups_path
         self.pod_name = (request.pod_name, request.pod_namespace)
+        self.log_directory = request.log_directory
         self.config = cfg
         self.created_plan = planned(planner.plan)
         """The plan the inputs gave before anything booted (refused here if it cannot)."""
@@ -89,6 +93,9 @@ class Pod:
         self._listeners: list[PodListener] = []
         self._death: asyncio.Future | None = None
         self._background: set[asyncio.Task] = set()
+        self._signals: set[asyncio.Task] = set()
+        """Signals under way: each one carried on (and escalated) when containerd gives
+        up on its Kill."""
 
     @classmethod
     def create(cls, request: PodRequest, cfg: config.Config,
@@ -154,7 +161,7 @@ class Pod:
             try:
                 machine = Machine(self.namespace, self.id, self.config, planner.boot,
                                   self.cgroups_path, self.netns, self.pod_name,
-                                  self.network_worker)
+                                  self.network_worker, self.log_directory)
             except cgroups.CgroupError as exc:
                 raise StepFailed(f"cgroup of sandbox {self.id}", exc) from None
             for line in machine.plan.explanation:
@@ -170,6 +177,7 @@ class Pod:
         log.info("sandbox %s: VM ready in %.2fs", self.id, time.monotonic() - started)
         self.vm.machine = machine
         self._spawn(self._watch_vm(machine))
+        self._spawn(self._watch_stop(machine))
         self._spawn(machine.time_agent())
         machine.make_template()
         self._spawn(self._watch_oom(machine))
@@ -268,12 +276,65 @@ class Pod:
         await asyncio.shield(self._death)
 
     async def _tell_death(self, machine: Machine) -> None:
-        gone = self.vm.gone = await machine.exited(grace=5) or HypervisorError(
+        gone = await machine.exited(grace=5) or HypervisorError(
             "the guest agent's connection closed, QEMU still running")
         log.error("sandbox %s: %s", self.id, gone)
+        self._tell(gone, VM_GONE_STATUS)
+
+    def _tell(self, gone: HypervisorError, status: int) -> None:
+        self.vm.gone = gone
         self.containers.placed.clear()  # what ran in the VM has ended
         for listener in self._listeners:
-            listener.vm_exited(gone)
+            listener.vm_exited(gone, status)
+
+    # --- a VM that stops answering ------------------------------------------------------
+
+    async def signal(self, container_id: str, exec_id: str, signal: int, all_: bool) -> None:
+        """A signal to a process in the guest. A guest that does not answer it within
+        its deadline (shim/vm/agent.py, RUNC) has stopped answering (its VM paused, its
+        kernel hung, its agent stopped): its VM is killed (kill_vm) and the signal is
+        done, so that such a VM never holds its pod's stop. Carried on in a task of the
+        pod's: containerd giving up on its Kill first does not call the escalation off."""
+        task = asyncio.ensure_future(self._signal(container_id, exec_id, signal, all_))
+        self._signals.add(task)
+        task.add_done_callback(_retrieved)
+        task.add_done_callback(self._signals.discard)
+        await asyncio.shield(task)
+
+    async def _signal(self, container_id: str, exec_id: str, signal: int, all_: bool) -> None:
+        machine = self.vm.machine
+        try:
+            await self.containers.signal(container_id, exec_id, signal, all_)
+        except TtrpcError as exc:
+            if exc.code != Code.DEADLINE_EXCEEDED or machine is None:
+                raise
+            await self.kill_vm(machine, f"the guest did not answer signal {signal} to "
+                                        f"{exec_id or container_id} within {RUNC:g}s")
+
+    async def _watch_stop(self, machine: Machine) -> None:
+        """QEMU stopping the VM without the shim asking (shim/vm/qemu/monitor.py) ends it:
+        an I/O error or an internal one comes back at the next try, a panicked guest
+        never resumes, and a pod whose VM is stopped runs nothing while kubelet counts
+        its containers as running (docs/design.md, "A VM that stops answering")."""
+        try:
+            state = await machine.unasked_stop()
+        except HypervisorError:
+            return  # gone: the exit's watcher says how
+        await self.kill_vm(machine, f"QEMU stopped the VM unasked (run state {state})")
+
+    async def kill_vm(self, machine: Machine, reason: str) -> None:
+        """End a VM that stopped answering or running: every process in it reported
+        exited 137, as runc reports a process killed by SIGKILL, then QEMU killed. The
+        pod's stop removes the rest, as after any death of its VM."""
+        if self.vm.machine is not machine or self._death is not None:
+            return
+        log.error("sandbox %s: %s: killing its VM, every container exits 137", self.id,
+                  reason)
+        self._death = asyncio.get_running_loop().create_future()
+        self._death.set_result(None)
+        self._tell(VMKilled(f"the VM of sandbox {self.id} was killed: {reason}"),
+                   KILLED_STATUS)
+        machine.kill()
 
     async def _watch_oom(self, machine: Machine) -> None:
         """Paced by the pod's own bucket (shim/pod/guestevents.py)."""
@@ -331,3 +392,8 @@ class Pod:
     async def ping(self, timeout: float) -> None:
         await self.vm.agent().ping(timeout=timeout)
 
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Its failure was the Kill's to answer: nothing to log when no one waited for it."""
+    if not task.cancelled():
+        task.exception()

@@ -57,7 +57,7 @@ class _Release:
         if self._slot.pod is self._pod:
             self._slot.pod = None
 
-    def vm_exited(self, error) -> None:
+    def vm_exited(self, error, status: int) -> None:
         pass  # the pod stays: it answers with how its VM ended
 
     def container_oom(self, container_id: str) -> None:

@@ -30,6 +30,10 @@ class PodRequest:
     pod_name: str = ""
     pod_namespace: str = ""
     """Kubernetes' name and namespace of the pod, recorded for the node's metrics."""
+    log_directory: str = ""
+    """kubelet's directory of the pod's logs (/var/log/pods/<namespace>_<name>_<uid>),
+    where the pod's scratch disk gets a name kubelet counts (shim/host/podlogdisk.py);
+    "" where the API gave none."""
     netns: str = ""
     """The pod's network namespace as containerd made it (CNI's interfaces in it become
     the VM's); "" for a pod with a network of its own and no interface."""

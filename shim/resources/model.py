@@ -112,6 +112,8 @@ class SandboxPlan:
     uncapped_vcpus: int = 0
     """The vCPUs the sizing rules give before the cap at `max_vcpus`: more than `vcpus`
     when the pod was capped."""
+    disk_mib: int = 0
+    """The pod's scratch disk (shim/resources/storage.py, scratch_disk_mib); 0 = none."""
     explanation: tuple[str, ...] = field(default=(), compare=False)
 
 

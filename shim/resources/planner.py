@@ -17,6 +17,7 @@ from podvm_core.cpulist import format_cpu_list, parse_cpu_list
 
 from ..config import Config
 from . import annotations as annotations_model
+from . import storage
 from .model import (MIB, ContainerResources, Host, NoFit, PlanError, SandboxPlan,
                     from_linux_resources, plan_sandbox, request_from_config)
 from .update import PlanDelta, StaticSizeExceeded, plan_update, pod_totals
@@ -80,13 +81,24 @@ class PodPlanner:
             req, self.annotations, self.config.qemu.enable_annotations, self.config.source)
         req = replace(req, pod_cgroup_memory_mib=self.pod_cgroup_memory_mib,
                       pod_cgroup_cpus=self.pod_cgroup_cpus)
-        plan = plan_sandbox(req, self.host)
+        plan = self._with_disk(plan_sandbox(req, self.host))
         cpuset = self._cpuset(plan.cpuset)
         if cpuset == plan.cpuset:
             return plan
         return replace(plan, cpuset=cpuset, explanation=plan.explanation + (
             f"cpuset {cpuset}: " + ("the pod's exclusive CPUs" if self.exclusive else
                                     "the CPUs no pod holds exclusively"),))
+
+    def _with_disk(self, plan: SandboxPlan) -> SandboxPlan:
+        """`plan` with the pod's scratch disk (none where scratch_disk_mib = 0)."""
+        default = self.config.qemu.scratch_disk_mib
+        if not default:
+            return plan
+        request = storage.storage_request(self.annotations)
+        if request is not None and self.config.runtime.disable_guest_empty_dir:
+            request = storage.without_empty_dirs(request)  # they are the host's
+        disk, why = storage.scratch_disk_mib(request, default, storage.BLANK_MIB)
+        return replace(plan, disk_mib=disk, explanation=plan.explanation + (why,))
 
     def _cpuset(self, union: str) -> str:
         if self.exclusive:

@@ -4,7 +4,9 @@ requests the limit), the pod's effective requests and limits (init containers ru
 a time before the others: the larger of the largest one and the sum of the others;
 sidecars, restartable init containers, add to both), and what kubelet gives the node
 for it: CRI's sandbox resources (containerd's `io.kubernetes.cri.sandbox-*` annotations,
-which size the VM) and the pod cgroup. Pure; ValueError names the field at fault."""
+which size the VM) and the pod cgroup; and its ephemeral storage (each container's
+`ephemeral-storage` limit, each disk emptyDir's sizeLimit), which sizes its scratch disk
+(shim/resources/storage.py). Pure; ValueError names the field at fault."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,8 +17,10 @@ from podvm_core.protocol import DEFAULT_CFS_PERIOD_US
 
 from .model import MIN_SHARES, ContainerResources
 from .quantity import ceil_milli, ceil_value, parse_quantity
+from .storage import StorageRequest
 
 RESOURCES = ("cpu", "memory")
+EPHEMERAL_STORAGE = "ephemeral-storage"
 MAX_SHARES = 262144
 MIN_QUOTA_US = 1000
 
@@ -32,6 +36,8 @@ class ContainerSpec:
     limits: Amounts
     sidecar: bool = False
     """An init container with restartPolicy Always: it runs beside the app containers."""
+    storage_limit: int | None = None
+    """limits.ephemeral-storage in bytes; None when unset."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class PodSpec:
     init_containers: tuple[ContainerSpec, ...] = ()
     overhead: Amounts = field(default_factory=dict)
     """spec.overhead, as the RuntimeClass admission plugin set it; {} when none."""
+    empty_dirs: Mapping[str, int | None] = field(default_factory=dict)
+    """The emptyDir volumes not of medium Memory: name -> sizeLimit in bytes (None: unset)."""
 
     @property
     def every_container(self) -> tuple[ContainerSpec, ...]:
@@ -67,7 +75,41 @@ def read_pod(pod: Any) -> PodSpec:
     name = metadata.get("name") or metadata.get("generateName") or ""
     return PodSpec(name=str(name), runtime_class=runtime_class, annotations=annotations,
                    containers=containers, init_containers=_containers(spec, "initContainers"),
-                   overhead=_amounts(spec.get("overhead"), "spec.overhead"))
+                   overhead=_amounts(spec.get("overhead"), "spec.overhead"),
+                   empty_dirs=_empty_dirs(spec))
+
+
+def _empty_dirs(spec: dict) -> dict[str, int | None]:
+    volumes = spec.get("volumes") or []
+    if not isinstance(volumes, list):
+        raise ValueError("spec.volumes must be a list")
+    found: dict[str, int | None] = {}
+    for i, volume in enumerate(volumes):
+        volume = _object(volume, f"spec.volumes[{i}]")
+        if "emptyDir" not in volume:
+            continue
+        where = f"spec.volumes[{i}].emptyDir"
+        empty_dir = _object(volume["emptyDir"], where)
+        if empty_dir.get("medium") == "Memory":  # the guest's RAM: the memory limit's
+            continue
+        name = volume.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"spec.volumes[{i}].name must be a non-empty string")
+        found[name] = _size(empty_dir.get("sizeLimit"), f"{where}.sizeLimit")
+    return found
+
+
+def _size(quantity: Any, where: str) -> int | None:
+    """A storage quantity in whole bytes (rounded up); None when unset."""
+    if quantity is None:
+        return None
+    try:
+        amount = parse_quantity(quantity)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if amount < 0:
+        raise ValueError(f"{where}: {quantity!r} must not be negative")
+    return ceil_value(amount)
 
 
 def _object(value: Any, where: str) -> dict:
@@ -93,7 +135,11 @@ def _containers(spec: dict, key: str) -> tuple[ContainerSpec, ...]:
         found.append(ContainerSpec(name=str(item.get("name") or where), where=where,
                                    requests=requests, limits=limits,
                                    sidecar=key == "initContainers"
-                                   and item.get("restartPolicy") == "Always"))
+                                   and item.get("restartPolicy") == "Always",
+                                   storage_limit=_size(
+                                       _object(resources.get("limits"), where).get(
+                                           EPHEMERAL_STORAGE),
+                                       f"{where}.resources.limits.{EPHEMERAL_STORAGE}")))
     return tuple(found)
 
 
@@ -111,6 +157,21 @@ def _amounts(value: Any, where: str) -> dict[str, Fraction]:
             raise ValueError(f"{where}.{resource}: {quantity!r} must not be negative")
         amounts[resource] = amount
     return amounts
+
+
+def pod_storage(pod: PodSpec) -> StorageRequest:
+    """What the pod's scratch disk must hold: every container's ephemeral-storage limit,
+    init containers' too, summed (not kubelet's PodLimits, the larger of the app
+    containers' sum and the largest init container: an init container's writable layer
+    stays on the disk until the pod goes), and each disk emptyDir's sizeLimit; those
+    with no number (or 0) are unbounded (docs/design.md, "The scratch disk's size")."""
+    # 0 is no limit, as kubelet's eviction reads it
+    containers = {c.name: c.storage_limit for c in pod.every_container}
+    return StorageRequest(
+        containers={n: v for n, v in containers.items() if v},
+        empty_dirs={n: v for n, v in pod.empty_dirs.items() if v},
+        unbounded=tuple([f"container:{n}" for n, v in containers.items() if not v] +
+                        [f"emptyDir:{n}" for n, v in pod.empty_dirs.items() if not v]))
 
 
 def pod_requests(pod: PodSpec) -> dict[str, Fraction]:

@@ -246,6 +246,11 @@ class Agent:
             wait_cpus=cpus, cpus=cpus, wait_memory_bytes=wait_memory_bytes),
             pb.OnlineCPUMemResponse, GUEST)
 
+    async def grow_scratch(self, size_bytes: int) -> int:
+        """The scratch file system grown to the disk's new size; its size now."""
+        return (await self._call("GrowScratch", pb.GrowScratchRequest(size_bytes=size_bytes),
+                                 pb.GrowScratchResponse, GUEST)).filesystem_bytes
+
     async def create_pod_namespaces(self, hostname: str = "",
                                     sysctls: dict[str, str] | None = None) -> int:
         """The pod's pid, ipc and uts namespaces, `hostname` set in the last ("": the

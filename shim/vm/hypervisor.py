@@ -28,8 +28,17 @@ class VMExited(HypervisorError):
     """The VMM process is gone: it aborted at start, or was killed or crashed later."""
 
 
+class VMKilled(VMExited):
+    """The shim killed the VMM: its guest stopped answering, or the VMM stopped running
+    it (shim/pod/pod.py, `Pod.kill_vm`); the message says which."""
+
+
 class MissingFile(HypervisorError):
     """The VMM, kernel or initrd the configuration names is not there."""
+
+
+class StaleGuest(MissingFile):
+    """The guest image lacks a call this shim needs: it was built before the shim."""
 
 
 class RestoreFailed(HypervisorError):
@@ -189,6 +198,17 @@ class VM(abc.ABC):
         """Ask the VMM to quit, kill it after `timeout`; a no-op when it is gone."""
 
     @abc.abstractmethod
+    def kill(self) -> None:
+        """SIGKILL to the VMM now, whatever state it is in (paused, stopped, hung): a
+        guest that stopped answering is asked nothing more. stop() cleans up after."""
+
+    @abc.abstractmethod
+    async def unasked_stop(self) -> str:
+        """Until the VMM stops running the guest without the shim asking (an I/O error
+        policy, an operator, an internal error), or has done so already: the VMM's word
+        for why. HypervisorError when the VMM is gone."""
+
+    @abc.abstractmethod
     def console_tail(self, size: int = 2000) -> str:
         """The end of the guest's console, for error messages and logs."""
 
@@ -218,3 +238,8 @@ class VM(abc.ABC):
     @abc.abstractmethod
     async def add_memory(self, mib: int) -> int:
         """Hot-plug `mib` MiB of memory (never taken back); MiB added."""
+
+    async def resize_scratch(self, size_bytes: int) -> None:
+        """The scratch disk's device made `size_bytes` long (the guest is told)."""
+        raise HypervisorError(f"the VM of sandbox {self.spec.sandbox_id} cannot resize its "
+                              f"scratch disk")

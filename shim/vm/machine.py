@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from ..config import Config
 from ..cpus.vmthreads import VMThreads
-from ..host import mounts, paths
+from ..host import diskreserve, mounts, paths, podlogdisk
 from ..host.cgroup import HostCgroup, layout_for
 from ..host.cleanup import remove_tree
 from ..host.mounts import Mount
@@ -30,7 +30,7 @@ from ..network import remote
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
-from . import guestspec, vmm, vmmlog, workdir
+from . import guestspec, scratchgrow, vmm, vmmlog, workdir
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, VMSpec
 from .resize import VMResizer
@@ -52,15 +52,18 @@ class Machine:
     def __init__(self, namespace: str, sandbox_id: str, config: Config,
                  plan: SandboxPlan, cgroups_path: str = "", netns: str = "",
                  pod_name: tuple[str, str] = ("", ""),
-                 network_worker: WorkerAhead | None = None) -> None:
+                 network_worker: WorkerAhead | None = None, log_directory: str = "") -> None:
         """`cgroups_path`: the sandbox container's `linux.cgroupsPath` (either syntax);
         the sandbox cgroup goes under its parent, the pod cgroup. `netns`: the pod's
         network namespace, whose interfaces become the VM's ("": the VM has none), and
         `network_worker` the pod's worker that attaches them (the Pod's to close).
         `pod_name`: Kubernetes' name and namespace of the pod, recorded for the node's
-        metrics."""
+        metrics. `log_directory`: kubelet's directory of the pod's logs, where its scratch
+        disk is shown (shim/host/podlogdisk.py)."""
         self.id = sandbox_id
         self.netns = netns
+        self._log_directory = log_directory
+        self._disk_shown: podlogdisk.Shown | None = None
         self._network_worker = network_worker
         self.config = config
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
@@ -118,6 +121,16 @@ class Machine:
         assert self.vm is not None
         return await self.vm.exited(grace=grace)
 
+    def kill(self) -> None:
+        """QEMU killed now, asked nothing (shutdown() removes the rest)."""
+        if self.vm is not None:
+            self.vm.kill()
+
+    async def unasked_stop(self) -> str:
+        """Until QEMU stops the VM without the shim asking: why (VM.unasked_stop)."""
+        assert self.vm is not None
+        return await self.vm.unasked_stop()
+
     async def size(self) -> tuple[int, int] | None:
         """vCPUs present and memory in MiB as QEMU reports them now; None before launch."""
         return await self.vm.size() if self.vm is not None else None
@@ -145,7 +158,9 @@ class Machine:
         """Nothing is left behind when it fails."""
         spec = self._spec()
         vm = vmm.create(spec)
-        self.record(qmp_socket=vm.control_socket, netns=self.netns)
+        # the disk's claim is the plan in sandbox.json: checked against the others' first
+        with diskreserve.reserving(self.config.qemu, self.id, self.plan.disk_mib):
+            self.record(qmp_socket=vm.control_socket, netns=self.netns)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
         self.vm = vm
@@ -166,6 +181,12 @@ class Machine:
                                    await self.vm.size())
             if template is not None:
                 await self.resizer.grow_restored(self.vm, self.agent)
+            if self.has_scratch_disk:
+                self.record(scratch_inode=scratchgrow.inode(self.vm))
+                await scratchgrow.grow(self.vm, self.agent, self.plan.disk_mib)
+                if self._log_directory:
+                    self._disk_shown = podlogdisk.show(scratchgrow.path(self.vm),
+                                                       self._log_directory, self.id)
         except BaseException as exc:
             await self._boot_failed(vm, exc)
             raise
@@ -332,6 +353,8 @@ class Machine:
         await self.restorer.cancel_template()  # its VM stopped, its files gone
         if self.vm is not None:
             await self.vm.stop(timeout=5)
+        podlogdisk.hide(self._disk_shown)  # the disk's blocks free with its last name
+        self._disk_shown = None
         await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
         if self.state.netns:
             try:

@@ -2,8 +2,8 @@
 ext4 file system the guest mounts (guest/agent/writable.py), so that creating, changing
 and removing files never leaves the guest.
 
-Each disk is an unnamed file (O_TMPFILE) in `scratch_path`, sparse, of the configured
-size: a copy of the blank file system made once per size (`blank`, by mke2fs), handed
+Each disk is an unnamed file (O_TMPFILE) in `scratch_path`, sparse: a copy of the blank
+file system (`blank`, by mke2fs, BLANK_MIB; grown to the pod's size after boot), handed
 to QEMU as a descriptor (shim/vm/qemu/driver.py). No path leads to it, so it is gone with the
 last descriptor, when QEMU exits, however the pod ends: nothing to sweep after a crash,
 and no other process can open it by name. QEMU writes it with O_DIRECT (the host's page
@@ -14,31 +14,47 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import subprocess
 
 from ..config import HypervisorConfig
+from ..resources.storage import BLANK_MIB
 from .memcopy import extents
 
 LABEL = "podvm-scratch"
 # No journal (the disk dies with the pod: there is nothing to recover after a crash);
 # the inode tables left to be zeroed lazily, which the guest never does (it mounts
 # with noinit_itable: unused inodes are marked so in the group descriptors).
-_MKE2FS_ARGS = ("-q", "-F", "-t", "ext4", "-O", "^has_journal", "-m", "0", "-L", LABEL,
-                "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0")
+# -T default: 4 KiB blocks and an inode per 16 KiB, as for the size it is grown to (mke2fs
+# would make the small blank a "small" file system: 1 KiB blocks, an inode per 4 KiB).
+# Project quotas (their usage kept in a hidden inode, no quota file): the guest bounds
+# each container's layer and each emptyDir by its own number (guest/agent/quota.py).
+_MKE2FS_ARGS = ("-q", "-F", "-t", "ext4", "-T", "default", "-O",
+                "^has_journal,quota,project", "-m", "0", "-L", LABEL,
+                "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard,root_owner=0:0,"
+                "quotatype=prjquota")
 
 
 class ScratchError(OSError):
     """The scratch disk could not be made: the message says where and why."""
 
 
+def blank_name() -> str:
+    """The blank's file name: its size, and its mke2fs arguments' digest, so that a blank
+    made otherwise (by an older podvm) is never taken for it."""
+    made_as = hashlib.sha256(" ".join(_MKE2FS_ARGS).encode()).hexdigest()[:8]
+    return f"blank-{BLANK_MIB}M-{made_as}.ext4"
+
+
 def blank(q: HypervisorConfig) -> str:
-    """The path of the blank file system of `q`'s scratch disk, made now by its mke2fs
-    if it is not there (under a lock: one maker at a time, the others wait for it and
-    use it). Its identity is part of a template's key (a template's guest has read its
-    first blocks)."""
-    directory, size_mib = q.scratch_path, q.scratch_disk_mib
-    path = os.path.join(directory, f"blank-{size_mib}M.ext4")
+    """The path of the blank file system every scratch disk starts as (BLANK_MIB, one
+    size for all pods: each disk is grown to its pod's size once the guest is up,
+    shim/vm/scratchgrow.py), made now by `q`'s mke2fs if it is not there (under a lock:
+    one maker at a time, the others wait for it and use it). Its identity is part of a
+    template's key (a template's guest has read its first blocks)."""
+    directory, size_mib = q.scratch_path, BLANK_MIB
+    path = os.path.join(directory, blank_name())
     if os.path.exists(path):
         return path
     try:

@@ -278,7 +278,7 @@ def test_harness_builds_podvm_runtime_from_the_packaged_snippet(ctd) -> None:
     packaged = snippet["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["podvm"]
     assert runtimes["podvm"] == {**packaged, "options": {"ConfigPath": ctd.podvm_config}}
     assert packaged["options"] == {"ConfigPath": "/etc/podvm/configuration.toml"}
-    assert packaged["pod_annotations"] == ["io.katacontainers.*"]
+    assert packaged["pod_annotations"] == ["io.katacontainers.*", "storage.podvm.io/*"]
     assert packaged["privileged_without_host_devices"] is True
     assert cri["sandbox_image"] == "localhost/podvm/pause:local"
     # Only ConfigPath differs from the snippet's text.

@@ -360,3 +360,29 @@ def test_both_apis_record_the_kubernetes_pod_name() -> None:
     assert (by_sandbox.pod_name, by_sandbox.pod_namespace) == ("web-1", "team-b")
     unnamed = task_request.pod_request("k8s.io", "sb3", {})  # ctr run: no Kubernetes pod
     assert (unnamed.pod_name, unnamed.pod_namespace) == ("", "")
+
+
+def test_each_pod_s_disk_size_and_use_are_exported(tmp_path) -> None:
+    """The scratch disk's size from the plan, and what it takes on the host: the blocks
+    of the unnamed file its QEMU holds, found by the inode sandbox.json records."""
+    from podvm_node.collect import Sandbox
+    from podvm_node.monitor import SandboxFamilies
+    from tests.host.test_diskreserve import HOLDER
+    from tests.host.test_podstate import state
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        inode = int(holder.stdout.readline())
+        pod = state(sandbox_id="disk", qemu_pid=holder.pid, scratch_inode=inode)
+        pod = dataclasses.replace(pod, plan=dataclasses.replace(pod.plan, disk_mib=512))
+        families = {f.name: {s.labels["sandbox_id"]: s.value for s in f.samples}
+                    for f in SandboxFamilies().families([Sandbox("k8s.io", pod, True)])}
+        assert families["podvm_sandbox_plan_disk_bytes"] == {"disk": 512 * MIB}
+        assert families["podvm_sandbox_disk_used_bytes"] == {"disk": 8 * MIB}
+        stopped = SandboxFamilies().families([Sandbox("k8s.io", pod, False)])
+        assert {f.name: len(f.samples) for f in stopped}["podvm_sandbox_disk_used_bytes"] == 0
+    finally:
+        holder.kill()
+        holder.wait()

@@ -21,6 +21,8 @@ from testbed.webhook import (ROOT, apply_patch, container, decoded_patch, instal
                              make_certificate, pod, review)
 
 OVERHEAD = {"cpu": "1", "memory": "448Mi"}  # 1 default vCPU; 256 MiB + QEMU's 192 (KVM)
+STORAGE = "storage.podvm.io/limits"
+UNBOUNDED_APP = '{"containers":{},"emptyDirs":{},"unbounded":["container:app"]}'
 
 
 def test_static_mode_annotates_the_vm_it_sized(static_webhook) -> None:
@@ -31,7 +33,7 @@ def test_static_mode_annotates_the_vm_it_sized(static_webhook) -> None:
     patch = decoded_patch(response)
     assert patch == [{"op": "add", "path": "/metadata/annotations", "value": {
         KATA + "default_vcpus": "1", KATA + "default_memory": "256",
-        "podvm.io/vm": '{"vcpus":3,"memoryMiB":768}'}}]
+        "podvm.io/vm": '{"vcpus":3,"memoryMiB":768}', STORAGE: UNBOUNDED_APP}}]
     assert "warnings" not in response
     validated = static_webhook.review("validate", apply_patch(admitted, patch)).response
     assert validated["allowed"] is True and "patch" not in validated
@@ -44,11 +46,12 @@ def test_existing_annotations_get_one_add_each_with_slashes_escaped(static_webho
     assert [op["path"] for op in patch] == [
         "/metadata/annotations/" + KATA + "default_vcpus",
         "/metadata/annotations/" + KATA + "default_memory",
-        "/metadata/annotations/podvm.io~1vm"]
+        "/metadata/annotations/podvm.io~1vm",
+        "/metadata/annotations/storage.podvm.io~1limits"]
     # 128974848 bytes = 123 MiB exactly; 0.5 CPU rounds the VM up to 2 vCPUs
     assert apply_patch(admitted, patch)["metadata"]["annotations"] == {
         "example.com/team": "a", KATA + "default_vcpus": "1", KATA + "default_memory": "256",
-        "podvm.io/vm": '{"vcpus":2,"memoryMiB":379}'}
+        "podvm.io/vm": '{"vcpus":2,"memoryMiB":379}', STORAGE: UNBOUNDED_APP}
 
 
 def test_other_pods_are_allowed_untouched_whatever_they_hold(static_webhook) -> None:
@@ -114,7 +117,9 @@ def test_dynamic_mode_warns_about_the_overhead_and_patches_nothing(dynamic_webho
     mismatched = pod(container(cpu="2", memory="512Mi", requests={"cpu": "500m"}),
                      overhead={"cpu": "2", "memory": "1Gi"})
     response = dynamic_webhook.review("mutate", mismatched).response
-    assert response["allowed"] is True and "patch" not in response
+    assert response["allowed"] is True  # the storage annotation alone (no sizing ones)
+    assert decoded_patch(response) == [{"op": "add", "path": "/metadata/annotations",
+                                        "value": {STORAGE: UNBOUNDED_APP}}]
     (warning,) = response["warnings"]
     assert "is memory 1024Mi, cpu 2000m" in warning and "memory: 448Mi, cpu: 1000m" in warning
     none = dynamic_webhook.review("mutate", pod(container(requests={"cpu": "1"}),
@@ -124,7 +129,7 @@ def test_dynamic_mode_warns_about_the_overhead_and_patches_nothing(dynamic_webho
         none["warnings"][0]
     exact = dynamic_webhook.review("mutate", pod(container(cpu="2", memory="512Mi"),
                                                  overhead=OVERHEAD)).response
-    assert exact["allowed"] is True and not {"patch", "warnings"} & set(exact)
+    assert exact["allowed"] is True and "warnings" not in exact
     # refused only what can never fit
     message = refused(dynamic_webhook, pod(container(cpu="1", memory="4Gi"), overhead=OVERHEAD))
     assert "(dynamic sizing)" in message and "at most 2048 MiB" in message
@@ -202,7 +207,8 @@ def test_metrics_count_verdicts_and_time_every_answer(dynamic_webhook) -> None:
     def grew(name: str) -> float:
         return after.get(name, 0) - before.get(name, 0)
 
-    assert grew('podvm_webhook_requests_total{endpoint="mutate",verdict="allowed"}') == 1
+    # the storage annotation is added in dynamic mode too
+    assert grew('podvm_webhook_requests_total{endpoint="mutate",verdict="patched"}') == 1
     assert grew('podvm_webhook_requests_total{endpoint="validate",verdict="ignored"}') == 1
     assert grew('podvm_webhook_requests_total{endpoint="mutate",verdict="refused"}') == 1
     assert grew('podvm_webhook_requests_total{endpoint="mutate",verdict="invalid"}') == 1
@@ -266,3 +272,33 @@ def test_a_server_that_cannot_start_says_why(tmp_path) -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and says in done.stderr, (says, done.stderr)
     taken.close()
+
+
+def test_the_pods_ephemeral_storage_is_annotated_and_a_users_judged(dynamic_webhook) -> None:
+    app = container("app", memory="64Mi")
+    app["resources"]["limits"]["ephemeral-storage"] = "200Mi"
+    init = container("init")
+    init["resources"]["limits"]["ephemeral-storage"] = "1G"
+    manifest = pod(app, container("log"), overhead=OVERHEAD)
+    manifest["spec"]["initContainers"] = [init]
+    manifest["spec"]["volumes"] = [
+        {"name": "cache", "emptyDir": {"sizeLimit": "50Mi"}},
+        {"name": "scratch", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "conf", "configMap": {"name": "x"}}]
+    patch = decoded_patch(dynamic_webhook.review("mutate", manifest).response)
+    value = json.loads(apply_patch(manifest, patch)["metadata"]["annotations"][STORAGE])
+    assert value == {"containers": {"app": 200 << 20, "init": 10 ** 9},
+                     "emptyDirs": {"cache": 50 << 20},
+                     "unbounded": ["container:log", "emptyDir:scratch"]}
+    # one the user set is kept (nothing added), and refused when the shim would refuse it
+    mine = pod(container(), overhead=OVERHEAD,
+               annotations={STORAGE: '{"containers": {"app": 1048576}}'})
+    kept = dynamic_webhook.review("mutate", mine).response
+    assert kept["allowed"] is True and "patch" not in kept
+    bad = pod(container(), overhead=OVERHEAD, annotations={STORAGE: '{"containers": {"a": -1}}'})
+    message = refused(dynamic_webhook, bad)
+    assert STORAGE in message and "negative" in message
+    broken = pod(app, overhead=OVERHEAD)
+    broken["spec"]["volumes"] = [{"name": "v", "emptyDir": {"sizeLimit": "lots"}}]
+    assert "spec.volumes[0].emptyDir.sizeLimit" in refused(dynamic_webhook, broken, code=400)

@@ -113,3 +113,20 @@ def test_what_cannot_be_read_is_said(tmp_path: pathlib.Path) -> None:
     assert done.returncode == 1
     assert "spec.containers[0].resources.limits.memory: '1 GB' is not a Kubernetes " \
            "quantity" in done.stdout
+
+
+def test_the_plan_shows_the_pods_scratch_disk(tmp_path) -> None:
+    manifest = tmp_path / "disk.yaml"
+    manifest.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: disk}\nspec:\n  runtimeClassName: podvm\n"
+        "  containers:\n  - name: app\n    resources:\n"
+        "      limits: {memory: 64Mi, ephemeral-storage: 200Mi}\n"
+        "  volumes:\n  - {name: cache, emptyDir: {sizeLimit: 50Mi}}\n"
+        "  - {name: shm, emptyDir: {medium: Memory}}\n")
+    done = podvmctl("plan", str(RUNTIME_CLASS), str(manifest), "--config", str(PACKAGED_CONFIG))
+    assert done.returncode == 0, done.stderr
+    # 250 MiB of limits + 2% + 16 MiB for ext4; the Memory emptyDir is not on the disk
+    assert "VM: 1 vCPUs, 320 MiB, a 271 MiB scratch disk" in done.stdout, done.stdout
+    assert "scratch disk 271 MiB = limits 250 MiB (1 containers, 1 emptyDirs)" in done.stdout
+    assert 'annotation: storage.podvm.io/limits={"containers":{"app":209715200},' \
+           '"emptyDirs":{"cache":52428800},"unbounded":[]}' in done.stdout

@@ -90,9 +90,10 @@ def test_pod_cgroup_is_limited_only_where_every_container_has_a_limit() -> None:
 
 
 def test_other_resources_are_not_read() -> None:
-    p = read_pod(pod(container("a", limits={"nvidia.com/gpu": "1", "ephemeral-storage": "x",
+    p = read_pod(pod(container("a", limits={"nvidia.com/gpu": "1", "ephemeral-storage": "2Gi",
                                             "memory": "1Gi"})))
-    assert pod_limits(p) == {"memory": 1 << 30}
+    assert pod_limits(p) == {"memory": 1 << 30}  # ephemeral-storage sizes the disk instead
+    assert p.containers[0].storage_limit == 2 << 30
 
 
 @pytest.mark.parametrize("manifest,where", [
@@ -102,6 +103,8 @@ def test_other_resources_are_not_read() -> None:
     (pod(container("a"), init=(container("i", limits={"memory": "-1Gi"}),)),
      "spec.initContainers[0].resources.limits.memory"),
     (pod(), "spec.containers"),
+    (pod(container("a", limits={"ephemeral-storage": "x"})),
+     "spec.containers[0].resources.limits.ephemeral-storage"),
     ({"spec": {"containers": "a"}}, "spec.containers"),
     ({"metadata": {"annotations": {"a": 1}}, "spec": {}}, "metadata.annotations"),
     ({"spec": {"runtimeClassName": 7, "containers": [{}]}}, "spec.runtimeClassName"),

@@ -179,6 +179,7 @@ async def _every_call(fake: FakeVM, agent: Agent, asked: set[str]) -> None:
     await ask("configure_network")(SimpleNamespace(interfaces=[], routes=[]))
     online = await ask("online")(2)
     assert online.online_cpus == 2 and (await agent.ping()).online_cpus == 2
+    assert await ask("grow_scratch")(256 << 20) == 256 << 20
     await ask("create_container")("c1", oci(["sh", "-c", "echo hi; read x; echo got $x; "
                                               "exit 7"]), PIPES, sandbox=False)
     await ask("start_container")("c1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import re
 import stat
 import subprocess
 import threading
@@ -13,6 +14,7 @@ import threading
 import pytest
 
 from shim.config import HypervisorConfig
+from shim.resources.storage import BLANK_MIB
 from shim.vm import scratchdisk
 from testbed.prereqs import require_tool
 
@@ -40,10 +42,14 @@ def blank(tmp_path: pathlib.Path) -> str:
 
 def test_the_blank_is_an_ext4_of_the_size_made_once(blank: str) -> None:
     st = os.stat(blank)
-    assert st.st_size == MIB << 20 and st.st_blocks * 512 < 8 << 20  # sparse
+    # one size for every pod, whatever scratch_disk_mib says (each disk grows after boot)
+    assert st.st_size == BLANK_MIB << 20 and st.st_blocks * 512 < 8 << 20  # sparse
     said = subprocess.run(["dumpe2fs", "-h", blank], capture_output=True, text=True)
     assert said.returncode == 0, said.stderr
     assert "podvm-scratch" in said.stdout and "has_journal" not in said.stdout
+    # 4 KiB blocks and room to grow online (reserved GDT blocks) to what pods ask
+    assert re.search(r"Block size:\s+4096", said.stdout), said.stdout
+    assert re.search(r"Reserved GDT blocks:\s+[1-9]", said.stdout), said.stdout
     again = scratchdisk.blank(config(pathlib.Path(blank).parent))
     assert again == blank and os.stat(again).st_mtime_ns == st.st_mtime_ns
     assert sorted(os.listdir(os.path.dirname(blank))) == [".lock", os.path.basename(blank)]
@@ -99,7 +105,8 @@ def test_open_for_follows_the_configuration(tmp_path: pathlib.Path) -> None:
     fd = scratchdisk.open_for(HypervisorConfig(scratch_disk_mib=MIB,
                                                scratch_path=str(tmp_path)))
     try:
-        assert stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size == MIB << 20
+        # the blank's size: the guest grows it to the pod's (shim/vm/scratchgrow.py)
+        assert stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size == BLANK_MIB << 20
     finally:
         os.close(fd)
 

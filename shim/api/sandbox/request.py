@@ -23,6 +23,7 @@ def pod_request(namespace: str, sandbox_id: str, pod_config: cri.PodSandboxConfi
         namespace=namespace, id=sandbox_id, planner=_planner(pod_config, annotations),
         cgroups_path=_cgroups_path(pod_config.linux.cgroup_parent, sandbox_id), netns=netns,
         pod_name=pod_config.metadata.name, pod_namespace=pod_config.metadata.namespace,
+        log_directory=pod_config.log_directory,
         host_namespaces=tuple(ns for ns, mode in (("network", options.network),
                                                   ("pid", options.pid), ("ipc", options.ipc))
                               if mode == cri.NODE),

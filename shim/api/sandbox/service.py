@@ -77,9 +77,9 @@ class SandboxService:
         return self._pod
 
     # what the pod tells
-    def vm_exited(self, error) -> None:
+    def vm_exited(self, error, status: int) -> None:
         if self.phase is Phase.READY:
-            self._stopped(VM_GONE_STATUS)
+            self._stopped(status)
 
     def vm_stopped(self) -> None:
         if self.phase is Phase.READY:

@@ -14,6 +14,7 @@ from ...resources.planner import PodPlanner
 
 POD_NAME = "io.kubernetes.cri.sandbox-name"
 POD_NAMESPACE = "io.kubernetes.cri.sandbox-namespace"
+LOG_DIRECTORY = "io.kubernetes.cri.sandbox-log-directory"
 
 
 def pod_request(namespace: str, sandbox_id: str, spec: dict) -> PodRequest:
@@ -26,6 +27,7 @@ def pod_request(namespace: str, sandbox_id: str, spec: dict) -> PodRequest:
         cgroups_path=cgroups_path, netns=namespaces.get("network", ""),
         pod_name=annotations.get(POD_NAME, ""),
         pod_namespace=annotations.get(POD_NAMESPACE, ""),
+        log_directory=annotations.get(LOG_DIRECTORY, ""),
         # A namespace the spec does not list is the host's.
         host_namespaces=tuple(ns for ns in HOST_NAMESPACES if ns not in namespaces),
         sysctls=linux.get("sysctl") or {})

@@ -25,7 +25,7 @@ from ..events import Publisher
 from ..options import load_config
 from ...host.mounts import Mount
 from ...pod.errors import NotRunning, PodError
-from ...pod.podslot import KILLED_STATUS, VM_GONE_STATUS, PodSlot
+from ...pod.podslot import KILLED_STATUS, PodSlot
 from ...vm.stdio import Stdio
 from .bundle import read_bundle
 from .reporting import Reporter
@@ -72,8 +72,8 @@ class TaskService:
         return self.slot.pod
 
     # what the pod tells
-    def vm_exited(self, error: HypervisorError) -> None:
-        self.report.end(self.containers.values(), VM_GONE_STATUS)
+    def vm_exited(self, error: HypervisorError, status: int) -> None:
+        self.report.end(self.containers.values(), status)
 
     def vm_stopped(self) -> None:
         self.report.end(self.containers.values(), KILLED_STATUS)
@@ -191,7 +191,7 @@ class TaskService:
         async with proc.acting("delete"):
             if proc.state is CREATED and not req.exec_id:  # runc's init waits in the guest
                 with contextlib.suppress(TtrpcError, PodError):
-                    await self._pod().containers.signal(req.id, "", 9, True)
+                    await self._pod().signal(req.id, "", 9, True)
                 proc.exit_status, proc.exited_at_ns = KILLED_STATUS, time.time_ns()
         await proc.stop_io()
         if req.exec_id:
@@ -212,12 +212,19 @@ class TaskService:
         return response
 
     async def _remove_container(self, container: Container) -> None:
+        """The container stays (deleted, for State) until it is removed: containerd 1.6's
+        StopPodSandbox takes a sandbox container it cannot find for one already stopped,
+        and would answer before its removal (the VM's stop) is over, when the exits came
+        before it (a VM that died, or was killed for not answering); nor does the shim
+        shut down meanwhile."""
         for exec_proc in list(container.execs.values()):  # an exec's Delete may end meanwhile
             await exec_proc.stop_io()
-        del self.containers[container.id]
-        pod = self.slot.pod
-        if pod is not None:
-            await pod.remove_container(container.id, owns_vm=container.id == pod.id)
+        try:
+            pod = self.slot.pod
+            if pod is not None:
+                await pod.remove_container(container.id, owns_vm=container.id == pod.id)
+        finally:
+            del self.containers[container.id]
 
     def _removed(self, removal: asyncio.Future) -> None:
         self._removals.discard(removal)
@@ -237,13 +244,13 @@ class TaskService:
         """As containerd's runc shim: a signal to a process that has exited answers
         NOT_FOUND "process already finished" (the guest says so when the exit is still
         on its way here); `all` to a stopped container still reaches the processes that
-        outlived its init."""
+        outlived its init. A guest that does not answer in time has its VM killed, and
+        the signal is done (Pod.signal)."""
         proc = self._process(req.id, req.exec_id)
         async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
             leftovers = proc.state is STOPPED
             try:
-                await self._pod().containers.signal(req.id, req.exec_id, req.signal,
-                                                    req.all)
+                await self._pod().signal(req.id, req.exec_id, req.signal, req.all)
             except (TtrpcError, PodError) as exc:
                 if not leftovers:
                     raise

@@ -166,13 +166,16 @@ def _scratch(s: VMSpec) -> list[str]:
     where it would be charged to the pod twice). No flush reaches the host's disk: the
     disk dies with QEMU, so nothing on it could be read after a crash that a flush
     would have kept. The guest's discards (guest/agent/writable.py trims when a layer
-    goes) punch holes in the file."""
+    goes) punch holes in the file. An error of the host's file (its file system full,
+    a failing disk) is the guest's to see as an I/O error of its disk (werror and rerror
+    `report`): QEMU's default, `enospc` for writes, would pause the whole VM at its next
+    write, and every pod whose disk is on that file system with it."""
     if not s.hypervisor.scratch_disk_mib or not s.scratch_disk:
         return []
     return ["-blockdev", f"driver=file,node-name={SCRATCH},filename={s.scratch_disk},"
                          "cache.direct=on,cache.no-flush=on,discard=unmap,locking=off",
             "-device", f"virtio-blk-pci,drive={SCRATCH},id={SCRATCH},"
-                       f"serial={SCRATCH_SERIAL}"]
+                       f"serial={SCRATCH_SERIAL},werror=report,rerror=report"]
 
 
 def command(s: VMSpec) -> list[str]:

@@ -1,11 +1,13 @@
 """QEMU driver: a pod's VM started (booted, or restored from a template's state) with
 the command line of shim/vm/qemu/command.py, confined (jail.py), its file server beside
-it (shim/vm/virtiofsd.py), attached over QMP, and stopped. What it does over QMP once
-running is in query.py (size, threads), hotplug.py and state.py (save and load); what
-the user is told when it fails, in diagnosis.py."""
+it (shim/vm/virtiofsd.py), attached over QMP (monitor.py, which also hears QEMU stop
+the VM unasked), and stopped or killed. What it does over QMP once running is in query.py
+(size, threads), hotplug.py and state.py (save and load); what the user is told when it
+fails, in diagnosis.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -13,7 +15,7 @@ import subprocess
 from typing import Callable
 
 import psutil
-from qemu.qmp import ConnectError, ExecuteError, QMPClient, QMPError
+from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 from ...host.processes import end_child, ended, peek_exit
 from ...libc import libc, no_huge_pages
@@ -25,6 +27,7 @@ from ..vmmlog import PipeLog, tail
 from . import command, diagnosis, hotplug, jail, query, state
 from .console import ConsoleLog
 from .jailid import JailId
+from .monitor import RunWatch, connect, disconnect
 
 # What a QMP call or the agent's first connection raises when QEMU dies under it.
 VANISHED = (QMPError, OSError, EOFError, asyncio.IncompleteReadError)
@@ -46,8 +49,8 @@ class QemuVM(VM):
         self._stderr: PipeLog | None = None  # qemu.log, at a bounded size
         self._files: FileServer | None = None
         self._memory: asyncio.Future[None] | None = None
-        self._jail = JailId(spec)
-        """The uid and gid QEMU runs as, claimed at launch."""
+        self._jail = JailId(spec)  # the uid and gid QEMU runs as, claimed at launch
+        self._run = RunWatch(spec.sandbox_id)
 
     @property
     def pid(self) -> int:
@@ -248,19 +251,9 @@ class QemuVM(VM):
     async def _attach_and_boot(self) -> None:
         qmp = QMPClient(f"podvm-{self.spec.sandbox_id}")
         self._boot_stage = "QEMU had not opened its QMP socket"
-        while True:  # the socket file appears a moment before QEMU listens on it
-            try:
-                with workdir.socket_path(self.qmp_socket) as sock:
-                    self._boot_stage = "QEMU had not answered the QMP handshake"
-                    await qmp.connect(sock)
-                    break
-            except FileNotFoundError:
-                pass
-            except ConnectError as exc:
-                if not isinstance(exc.__cause__, ConnectionRefusedError):
-                    raise
-                log.debug("QMP not listening yet: %s", exc)
-            await asyncio.sleep(0.005)
+        def opened() -> None:
+            self._boot_stage = "QEMU had not answered the QMP handshake"
+        await connect(qmp, self.qmp_socket, opened)
         self._qmp = qmp
         # Before the guest runs, or restores: QEMU drops console output nobody reads.
         self._boot_stage = "the console socket of QEMU did not accept"
@@ -305,7 +298,19 @@ class QemuVM(VM):
 
     async def save(self, path: str) -> None:
         """The VM stopped and its state written to `path` (shim/vm/qemu/state.py)."""
+        self._run.saving = True  # a stop of the shim's own
         await state.save(self._send_fd, self._execute, path)
+
+    async def unasked_stop(self) -> str:
+        """shim/vm/qemu/monitor.py."""
+        await self._execute("query-status")  # QEMU gone: how it ended, raised
+        assert self._qmp is not None
+        return await self._run.unasked_stop(self._qmp, self._execute)
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
 
     def _send_fd(self, fd: int) -> None:
         assert self._qmp is not None
@@ -348,6 +353,9 @@ class QemuVM(VM):
     async def add_memory(self, mib: int) -> int:
         return await hotplug.add_memory(self._execute, mib, self.spec.max_memory_mib)
 
+    async def resize_scratch(self, size_bytes: int) -> None:
+        await self._execute("block_resize", {"node-name": command.SCRATCH, "size": size_bytes})
+
     async def stop(self, timeout: float = 10) -> None:
         proc = self._proc
         if proc is not None and proc.returncode is None and timeout > 0 and self._qmp:
@@ -355,7 +363,8 @@ class QemuVM(VM):
                 await asyncio.wait_for(self._qmp.execute("quit"), timeout)
             except Exception as exc:
                 log.debug("QMP quit: %s", exc)
-        await self._disconnect_qmp()
+        qmp, self._qmp = self._qmp, None
+        await disconnect(qmp)
         if self._agent_stream is not None:  # never taken
             self._agent_stream[1].close()
             self._agent_stream = None
@@ -379,14 +388,6 @@ class QemuVM(VM):
             await asyncio.gather(memory, return_exceptions=True)
         if self._files is not None:
             await self._files.stop()
-
-    async def _disconnect_qmp(self) -> None:
-        if self._qmp is not None:
-            qmp, self._qmp = self._qmp, None
-            try:
-                await qmp.disconnect()
-            except Exception as exc:  # QEMU may already be gone
-                log.debug("QMP disconnect: %s", exc)
 
     def dead(self) -> bool:
         return self._proc is not None and ended(self._proc)

@@ -66,6 +66,7 @@ CALLS = {  # every call of the typed client with a deadline: the RPC it makes
     "write_port_forward": ("WritePortForward", lambda a: a.write_port_forward(1, b"x")),
     "close_port_forward": ("ClosePortForward", lambda a: a.close_port_forward(1)),
     "online": ("OnlineCPUMem", lambda a: a.online()),
+    "grow_scratch": ("GrowScratch", lambda a: a.grow_scratch(256 << 20)),
     "create_pod_namespaces": ("CreatePodNamespaces", lambda a: a.create_pod_namespaces()),
     "configure_network": ("ConfigureNetwork", lambda a: a.configure_network(
         SimpleNamespace(interfaces=[], routes=[]), timeout=BOUND)),
