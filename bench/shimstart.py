@@ -8,6 +8,7 @@ answered (/proc/<pid>/schedstat): less moved by other load than wall time, which
 busy machine is mostly waiting for a CPU."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -22,6 +23,7 @@ from typing import NamedTuple
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.pb.ttrpc_pb2 import Request, Response
 from podvm_core.ttrpc import Code, framing
+from shim.host.paths import STATE_ROOT
 from testbed.shimproc import make_bundle
 
 NS = "podvm-bench"
@@ -41,6 +43,8 @@ class Start(NamedTuple):
     daemon_cpu: float
     pid: int
     address: str
+    server: int
+    """The fork server that forked the daemon (shim.json), 0 where `start` forked it."""
 
 
 def measure_start(shim: str, root: pathlib.Path, ident: str, grpc: str, env: dict,
@@ -64,9 +68,27 @@ def measure_start(shim: str, root: pathlib.Path, ident: str, grpc: str, env: dic
         raise SystemExit(f"{shim} start failed: {out!r} {err.decode()[-2000:]}")
     address = found.group().decode()
     connected, stated, pid = first_calls(address, t, service=GO_TASK if go else TASK)
+    server = 0 if go else forked_by(ident)
     return Start(started * 1e3, connected * 1e3, stated * 1e3,
                  (usage.ru_utime + usage.ru_stime) * 1e3, daemon_cpu_ms(pid), pid,
-                 address), bundle, log
+                 address, server), bundle, log
+
+
+def forked_by(ident: str) -> int:
+    """The fork server that forked the pod's daemon, as `start` recorded it (0: none)."""
+    state = json.loads(pathlib.Path(f"{STATE_ROOT}/{NS}/{ident}/shim.json").read_text())
+    return state.get("forkserver", 0)
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) in MB: PSS shares each page among the processes that map it, so a
+    daemon forked from the fork server counts only its part of what they share."""
+    found = {}
+    for line in pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Rss", "Pss"):
+            found[key] = int(value.split()[0]) / 1024
+    return found["Rss"], found["Pss"]
 
 
 def end_start(shim: str, figures: Start, bundle: pathlib.Path, grpc: str, env: dict,

@@ -9,9 +9,9 @@ guess, and renamed over the name, which replaces whatever was there (a link, a F
 without opening it."""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
+
+from . import lightjson
 
 _TRIES = 16  # names taken by someone else before one of ours is free: then EEXIST
 
@@ -30,8 +30,10 @@ def replace_at(dirfd: int, name: str, data: bytes = b"", durable: bool = False,
         os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except BaseException:
         os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(tmp, dir_fd=dirfd)
+        except FileNotFoundError:
+            pass
         raise
     return fd
 
@@ -69,4 +71,12 @@ def write_atomic(path: str, data: bytes, durable: bool = False) -> None:
 
 
 def write_json(path: str, value: object, durable: bool = False, **dump_args) -> None:
-    write_atomic(path, json.dumps(value, **dump_args).encode(), durable)
+    if dump_args:
+        # Here, not at the top: json's own modules (re, enum) for the options alone;
+        # lightjson writes the same text without them (`start` writes shim.json)
+        import json
+
+        text = json.dumps(value, **dump_args)
+    else:
+        text = lightjson.dumps(value)
+    write_atomic(path, text.encode(), durable)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -72,7 +73,7 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
     used = users([p for paths in seen_as.values() for p in paths], exclude)
     removed = []
     for name in candidates:
-        if any(used[p] for p in seen_as[name]):
+        if not _stop_fork_servers({pid for p in seen_as[name] for pid in used[p]}):
             continue
         # renamed out of the way first: a half-removed tree is never a tree
         doomed = os.path.join(prefix, f".gone-{name}")
@@ -83,6 +84,48 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(name)
     return removed
+
+
+FORK_SERVER = b"containerd-shim-podvm-v2\0forkserver\0"
+"""The command line's start of a shim's fork server (shim/contract/forkserver.py): a warm
+parent the daemons fork from, which uses its tree but serves no pod."""
+
+
+def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
+    """Whether nothing uses a tree whose users are `pids`: none, or only fork servers,
+    stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(FORK_SERVER):
+                    return False
+        except OSError:
+            continue  # gone
+    # SIGTERM first (it removes its socket); SIGKILL for one that has not gone within
+    # half the wait: a server loads at SCHED_IDLE, and on a busy node its handler may not
+    # run for long. It holds no pod; a socket it leaves is replaced by the next `start`.
+    for signum, share in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0.5)):
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait * share
+        while any(_alive(pid) for pid in pids):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        else:
+            return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _seen_as(host: str, names: list[str]) -> dict[str, list[str]]:

@@ -106,3 +106,7 @@ def nothing_left_running(tmp_path_factory):
     while (found := left()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not found, f"left running after the tests: {found}"
+    from testbed import forkservers
+
+    left_servers = forkservers.stop_own()  # started by the run's shims, ours to stop
+    assert not left_servers, f"fork servers that did not stop: {left_servers}"

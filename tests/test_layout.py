@@ -146,6 +146,16 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/contract/info.py",
      "podvm_core.pb.containerd.types.introspection_pb2"):
         "`-info` only",
+    ("podvm_core/lightjson.py", "json"):
+        "a Python without the _json accelerator only",
+    ("podvm_core/atomic.py", "json"):
+        "json.dumps's options only: lightjson writes the default text without re and enum",
+    ("shim/contract/forkserver.py", "podvm_core.treegc"):
+        "after an uninstall only",
+    ("shim/contract/manager.py", "socket"):
+        "the daemon `start` forks itself only: `start` binds with _socket",
+    ("shim/contract/forkserver.py", "shim.contract.cli"):
+        "`python -m shim.contract.forkserver` only: the daemon's entry it forks into",
     ("shim/contract/manager.py",
      "shim.host.mountns"):
         "a `start` that forks a daemon only (ctypes)",

@@ -64,12 +64,18 @@ def run_daemon(flags: Flags, sock=None) -> int:
     """Serve as the pod's daemon: on the listening socket `sock` (`start` forks the daemon
     with the one it bound), else on fd 3."""
     gc.disable()  # until it serves, as above
+    return load_daemon()(flags, sock)
+
+
+def load_daemon():
+    """What the daemon loads before its first answer (the fork server loads it once for
+    all its daemons: shim/contract/forkserver.py); its `serve`."""
     _import_asyncio_without_tls()
     _defer_protobuf_python_backend()
     # Here, not at the top: the daemon's imports, which neither `start` nor `delete` needs.
     from .daemon import serve
 
-    return serve(flags, sock)
+    return serve
 
 
 def _import_asyncio_without_tls() -> None:

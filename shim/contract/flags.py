@@ -3,7 +3,6 @@ before an optional subcommand (`start`, `delete`; none = serve as the daemon).""
 from __future__ import annotations
 
 import os
-from collections import namedtuple
 
 USAGE = """\
 usage: containerd-shim-podvm-v2 [flags] [start|delete]
@@ -37,19 +36,47 @@ class UsageError(Exception):
     pass
 
 
-# A named tuple, not a dataclass: `start` is on containerd's critical path, and
-# dataclasses (with inspect, ast, dis and tokenize) would add ~7 ms to every `start`.
-_Fields = namedtuple("_Fields", ["namespace", "id", "address", "publish_binary", "bundle",
-                                 "socket", "debug", "info", "version", "help", "action"],
-                     defaults=["", "", "", "", "", "", False, False, False, False, "serve"])
+_FIELDS = ("namespace", "id", "address", "publish_binary", "bundle", "socket", "debug",
+           "info", "version", "help", "action")
+_DEFAULTS = ("", "", "", "", "", "", False, False, False, False, "serve")
 
 
-class Flags(_Fields):
+# A plain class, neither a dataclass (inspect, ast, dis and tokenize: ~7 ms of every
+# `start`) nor a named tuple (collections, with functools and operator: ~3 ms).
+class Flags:
     """The command line: strings `namespace`, `id`, `address`, `publish_binary`, `bundle`,
     `socket`, `action` ("serve", "start" or "delete"); booleans `debug`, `info`,
-    `version`, `help`. Immutable; `_replace(...)` gives a changed copy."""
+    `version`, `help`. Immutable; `_replace(...)` gives a changed copy, `_asdict()` the
+    fields (as a named tuple's)."""
 
-    __slots__ = ()
+    __slots__ = _FIELDS
+    _fields = _FIELDS
+    _field_defaults = dict(zip(_FIELDS, _DEFAULTS))
+
+    def __init__(self, **values: object) -> None:
+        unknown = sorted(set(values) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"no such flags: {', '.join(unknown)}")
+        for name, default in zip(_FIELDS, _DEFAULTS):
+            object.__setattr__(self, name, values.get(name, default))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"flags are immutable: {name}")
+
+    def _replace(self, **changes: object) -> "Flags":
+        return Flags(**{**self._asdict(), **changes})
+
+    def _asdict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Flags) and self._asdict() == other._asdict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._asdict().values()))
+
+    def __repr__(self) -> str:
+        return "Flags(" + ", ".join(f"{k}={v!r}" for k, v in self._asdict().items()) + ")"
 
     @property
     def bundle_dir(self) -> str:

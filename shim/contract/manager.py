@@ -8,21 +8,25 @@ from __future__ import annotations
 import errno
 import os
 import select
-import socket
+import _socket  # not socket.py: its enums and selectors are 4 ms of every `start`
 import stat
 import sys
 import time
-from collections.abc import Callable
 
 from podvm_core import trees
 from podvm_core.atomic import write_atomic
 
 from ..host import paths, shimstate
-from . import bootstrap
+from . import bootstrap, forkclient, identity
 from .flags import Flags
 
+TYPE_CHECKING = False  # not typing's: typing is 4 ms of every `start`
+if TYPE_CHECKING:
+    import socket
+    from collections.abc import Callable  # collections: 2 ms of every `start`
 
-def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
+
+def start(flags: Flags, serve: Callable[[Flags, "socket.socket"], int]) -> int:
     """`serve(flags, sock)`: what the forked daemon runs (the CLI passes it in, so that
     this module never imports the daemon's side)."""
     bundle = flags.bundle_dir
@@ -35,17 +39,19 @@ def start(flags: Flags, serve: Callable[[Flags, socket.socket], int]) -> int:
         _write_address(bundle, address)
         sys.stdout.buffer.write(bootstrap.answer(stdin, address))
         return 0
+    daemon_flags = flags._replace(bundle=bundle, socket=address, action="serve")
     try:
-        pid = _spawn_daemon(flags, address, sock, serve)
+        pid, server = _daemon(daemon_flags, sock, serve)
     except BaseException:
         sock.close()
         os.unlink(paths.socket_path(address))
         raise
     sock.close()
     tree = trees.own()
-    shimstate.write(flags.namespace, group,
-                    {"pid": pid, "address": address, "bundle": bundle, "id": flags.id,
-                     "tree": tree})
+    state = {"pid": pid, "address": address, "bundle": bundle, "id": flags.id, "tree": tree}
+    if server:
+        state["forkserver"] = server
+    shimstate.write(flags.namespace, group, state)
     _write_tree(bundle, tree)
     _write_address(bundle, address)
     sys.stdout.buffer.write(bootstrap.answer(stdin, address))
@@ -89,10 +95,10 @@ def _read_stdin() -> bytes:
     return b"".join(chunks)
 
 
-def _bind(path: str) -> socket.socket | None:
+def _bind(path: str) -> _socket.socket | None:
     """A listening socket at `path`, or None when a live daemon already listens there."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.bind(path)
     except OSError as exc:
@@ -110,7 +116,7 @@ def _bind(path: str) -> socket.socket | None:
 
 
 def _accepts(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         probe.connect(path)
         return True
@@ -120,15 +126,29 @@ def _accepts(path: str) -> bool:
         probe.close()
 
 
-def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
-                  serve: Callable[[Flags, socket.socket], int]) -> int:
+def _daemon(daemon_flags: Flags, sock: _socket.socket,
+            serve: Callable[[Flags, "socket.socket"], int]) -> tuple[int, int]:
+    """The daemon's pid and the fork server's that forked it (0: this `start` forked it).
+    From the fork server of this code (forkserver.py) when one serves; else forked here,
+    as before there was one, and the server spawned for the next `start`s."""
+    try:
+        served = forkclient.request_daemon(identity.own_name(), daemon_flags._asdict(), sock)
+        if served is not None:
+            return served
+        forkclient.spawn_server()
+    except Exception as exc:  # any error: served as without a server, and said why
+        forkclient.note(daemon_flags.bundle, f"start forks the daemon itself: {exc}")
+    return _spawn_daemon(daemon_flags, sock, serve), 0
+
+
+def _spawn_daemon(daemon_flags: Flags, sock: _socket.socket,
+                  serve: Callable[[Flags, "socket.socket"], int]) -> int:
     """The daemon: a fork of this process, so that it starts with the interpreter and
     what `start` imported already loaded (containerd connects as soon as `start` returns:
     a fresh interpreter would answer tens of ms later). Own session and process group,
     not holding containerd's pipes (stdio is /dev/null until it opens the log FIFO). In
     the pod's own mount namespace (shim/host/mountns.py), which `start` makes and the daemon
     inherits: made here, its failure is `start`'s, which containerd reports."""
-    daemon_flags = flags._replace(bundle=flags.bundle_dir, socket=address, action="serve")
     # Here, not at the top: only a `start` that forks a daemon needs it (ctypes).
     from ..host.mountns import unshare_for_pod
 
@@ -143,7 +163,10 @@ def _spawn_daemon(flags: Flags, address: str, sock: socket.socket,
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
         os.close(devnull)
-        code = serve(daemon_flags, sock)
+        # Here, not at the top: the daemon's, which serves on a socket.socket
+        import socket
+
+        code = serve(daemon_flags, socket.socket(fileno=sock.detach()))
     finally:
         os._exit(code)  # never back into `start`: its caller's cleanup is not ours
 

@@ -14,8 +14,9 @@ setns(2) and unshare(2) refuse a process with more than one thread: each call in
 namespace is made by a forked child, which has one."""
 from __future__ import annotations
 
-import json
 import os
+
+from podvm_core import lightjson
 
 from ..libc import last_errno, libc
 
@@ -103,7 +104,7 @@ def in_namespace(ns: int | str, fn: Callable[..., T], *args: object) -> T:
                 answer = {"errno": 0, "error": f"{type(exc).__name__}: {exc}"}
             finally:
                 try:
-                    os.write(write, json.dumps(answer).encode())
+                    os.write(write, lightjson.dumps(answer).encode())
                 finally:
                     os._exit(code)
         os.close(write)
@@ -113,7 +114,7 @@ def in_namespace(ns: int | str, fn: Callable[..., T], *args: object) -> T:
     finally:
         if isinstance(ns, str):
             os.close(fd)
-    answer = json.loads(data or b'{"errno": 0, "error": "the helper died"}')
+    answer = lightjson.loads(data or b'{"errno": 0, "error": "the helper died"}')
     if "result" in answer:
         return answer["result"]
     if answer["errno"]:

@@ -4,8 +4,9 @@ Kept free of heavy imports: `start` runs on containerd's critical path.
 """
 from __future__ import annotations
 
-import json
 import os
+
+from podvm_core import lightjson
 
 # CPython's own SHA-256 where it has one: hashlib loads OpenSSL (about 3 ms, and 4 MB of
 # RSS that the daemon `start` forks would keep for its whole life).
@@ -29,7 +30,7 @@ def read_spec(bundle: str) -> dict | None:
     """The bundle's OCI spec, or None when there is none (containerd 2.x sandbox bundles)."""
     try:
         with open(os.path.join(bundle, "config.json"), "rb") as f:
-            return json.load(f)
+            return lightjson.loads(f.read())
     except FileNotFoundError:
         return None
 

@@ -3,9 +3,9 @@ by `delete`, the daemon's exit and `podvmctl status`. Standard library only: `st
 containerd's critical path."""
 from __future__ import annotations
 
-import json
 import os
 
+from podvm_core import lightjson
 from podvm_core.atomic import write_json
 
 from . import paths
@@ -22,6 +22,6 @@ def write(namespace: str, group: str, state: dict) -> None:
 def read(namespace: str, group: str) -> dict | None:
     try:
         with open(os.path.join(paths.state_dir(namespace, group), SHIM_STATE), "rb") as f:
-            return json.load(f)
+            return lightjson.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None

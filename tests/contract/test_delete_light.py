@@ -20,14 +20,14 @@ from testbed.shimproc import NS, SHIM, make_bundle
 HEAVY = ("asyncio", "google.protobuf", "psutil", "ctypes", "cgroups", "shim.host.cleanup",
          "shim.host.podstate", "shim.network", "shim.resources", "shim.config", "tomllib",
          "logging", "subprocess", "secrets", "hashlib", "shutil", "signal", "socket",
-         "dataclasses", "typing", "podvm_core.treegc")
+         "dataclasses", "typing", "podvm_core.treegc", "json", "re", "enum")
 """What `delete` of a gone pod must not load: each is milliseconds of its CPU."""
 
 PODVM_MODULES = {
     "shim", "shim.contract", "shim.contract.cli", "shim.contract.flags",
     "shim.contract.delete", "shim.contract.wire", "shim.host", "shim.host.paths",
     "shim.host.shimstate", "shim.host.leftovers", "shim.host.pids", "podvm_core",
-    "podvm_core.trees", "podvm_core.atomic"}
+    "podvm_core.trees", "podvm_core.atomic", "podvm_core.lightjson"}
 """All of podvm that it loads: a module added here is a choice, not a drift."""
 
 

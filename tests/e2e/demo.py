@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from testbed import bridgenet
+from testbed import bridgenet, forkservers
 from testbed.containerd import Containerd, mounts_under, shims_of
 from testbed.cri import Crictl, write_config
 from testbed.netpods import (fetch_from_pod, httpd_script, interface_addresses, pod_ip, url,
@@ -134,6 +134,9 @@ def main() -> int:
         left += [f"mount {m}" for m in mounts_under(work)]
         left += [f"bridge {bridge}"] if bridge in bridgenet.link_names() else []
         left += [f"harness forced: {f}" for f in ctd.forced]
+        # the shims' warm parent (docs/design.md, "The fork server"): on a node it stays
+        # for the next pod; the demo's is stopped with the rest
+        left += [f"fork server {p}" for p in forkservers.stop_own()]
         say("left behind: " + (", ".join(left) if left else "nothing"))
     return 1 if left else 0
 

@@ -1,0 +1,54 @@
+"""The shim's fork servers (shim/contract/forkserver.py) that this checkout's code
+started: on a node a fork server outlives its pods by design (it exits after 10 idle
+minutes), but a test run or the demo leaves nothing running, so each stops its own at its
+end. Another checkout's or an installed podvm's servers have another code identity in
+their socket's name and are left alone."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from shim.contract import identity
+
+PROCTITLE = b"containerd-shim-podvm-v2\0forkserver\0"
+
+
+def own() -> list[int]:
+    """The pids of the running fork servers of this checkout's code."""
+    mark = f"/{identity.own()}-".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if cmdline.startswith(PROCTITLE) and mark in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def stop_own(wait: float = 10.0) -> list[int]:
+    """SIGTERM to each (it removes its socket and exits); the pids still running after
+    `wait` seconds."""
+    pids = own()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
