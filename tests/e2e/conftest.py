@@ -8,6 +8,8 @@ from testbed.containerd import Containerd
 from testbed.prereqs import require_root, require_tool
 from testbed.vmconfig import vm_config, warm
 
+from .test_podvm_pods import cri_containerd
+
 
 @pytest.fixture(scope="module")
 def containerd(tmp_path_factory):
@@ -27,3 +29,12 @@ def image_cache(tmp_path_factory) -> pathlib.Path:
     and, for the Task API's pods, on none: their pods are restored, as on a node."""
     warm(vm_config().qemu, "1:256:1", "1:256:0")
     return tmp_path_factory.mktemp("images")
+
+
+@pytest.fixture(scope="module")
+def ctd(tmp_path_factory, image_cache):
+    """A module's CRI containerd whose pods restore the run's warmed templates, as on a
+    node. test_podvm_pods has a `ctd` of its own, whose pods boot their guests (the boot
+    path's end-to-end run): a module that imports it gets those cold boots instead."""
+    yield from cri_containerd(tmp_path_factory, image_cache, "podvm-cri-restored",
+                              "podvm-restored-test")

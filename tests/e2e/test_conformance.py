@@ -22,7 +22,7 @@ from testbed.cri import CrictlFailed, write_config
 from testbed.pods import container_config, pod_config
 from testbed.prereqs import require_root
 
-from .test_podvm_pods import (configs, crictl, ctd, nothing_of_failed_pods_left,  # noqa: F401
+from .test_podvm_pods import (configs, crictl, nothing_of_failed_pods_left,  # noqa: F401
                               remove_pod, running, runp_refused)
 
 POD_SYSCTLS = {"kernel.shm_rmid_forced": "1", "fs.mqueue.msg_max": "100",

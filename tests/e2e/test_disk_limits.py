@@ -12,7 +12,7 @@ from testbed.cri import write_config
 from testbed.kubeletdirs import kubelet_root, volume_dir  # noqa: F401
 from testbed.pods import container_config, pod_config
 
-from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
+from .test_podvm_pods import configs, crictl, remove_pod  # noqa: F401
 
 MIB = 1 << 20
 LIMITS = {"containers": {"bounded": 100 * MIB}, "emptyDirs": {"cache": 50 * MIB},

@@ -23,9 +23,9 @@ from testbed.fsprobe import build_probe
 from testbed.kubeletdirs import binds, kubelet_root, subpath_target, volume_dir  # noqa: F401
 from testbed.pods import container_config, pod_config, pod_qemus
 from testbed.prereqs import require_tool
-from testbed.vmconfig import rust_virtiofsd
+from testbed.vmconfig import virtiofs_daemon
 
-from .test_podvm_pods import (configs, cri_containerd, crictl, ctd, remove_pod,  # noqa: F401
+from .test_podvm_pods import (configs, cri_containerd, crictl, remove_pod,  # noqa: F401
                               scratch_disk)
 
 SQLITE_CASE = "sqlite"  # SQLite itself, beside fsprobe's cases: inserts, and its locks
@@ -158,16 +158,18 @@ def test_podvm_passes_every_case_runc_passes(runc_cases, podvm_cases, place) -> 
     held_to_runc(runc_cases, podvm_cases, place)
 
 
-def test_the_rust_virtiofsd_keeps_the_same_semantics(runc_cases, configs, probe_dir,
+def test_qemu_s_c_virtiofsd_keeps_the_same_semantics(runc_cases, configs, probe_dir,
                                                      tmp_path_factory, image_cache) -> None:
-    """The same probe in a pod whose files the Rust virtiofsd serves (Debian 13's, as
-    `make test` fetches it; shim/vm/virtiofsd.py speaks its options): every place holds
-    to runc as with QEMU 7.2's daemon, locks included (the guest's kernel keeps them)."""
-    fixture = cri_containerd(tmp_path_factory, image_cache, "podvm-rust-fs", "podvm-rust-fs",
-                             enable_template=False, virtio_fs_daemon=rust_virtiofsd())
-    rust_ctd = next(fixture)
+    """The same probe in a pod whose files QEMU 7.2's C virtiofsd serves (Debian 12's,
+    run with allow_legacy_virtiofsd; shim/vm/virtiofsd.py speaks its options): every
+    place holds to runc as with the Rust daemon the module's other pods have, locks
+    included (the guest's kernel keeps them). Its pod restores the run's template as the
+    others do: a template has no virtio-fs device (shim/vm/template/template.py)."""
+    fixture = cri_containerd(tmp_path_factory, image_cache, "podvm-c-fs", "podvm-c-fs",
+                             virtio_fs_daemon=virtiofs_daemon("qemu-7.2"))
+    c_ctd = next(fixture)
     try:
-        found = probe_pod(rust_ctd, Crictl(rust_ctd.cri_endpoint, timeout="120s"), configs,
+        found = probe_pod(c_ctd, Crictl(c_ctd.cri_endpoint, timeout="120s"), configs,
                           probe_dir, tmp_path_factory, "podvm")
     finally:
         next(fixture, None)  # stopped, and checked that nothing is left

@@ -18,7 +18,7 @@ from testbed.pods import pod_config, podvm_leftovers
 
 from .test_crictl import wait_for
 from .test_hostile_guest import _wait_file, escaping_container
-from .test_podvm_pods import configs, crictl, ctd, remove_pod  # noqa: F401
+from .test_podvm_pods import configs, crictl, remove_pod  # noqa: F401
 
 # Run by the guest kernel as root in the guest's first namespaces (the core-dump helper),
 # as /proc/<pid>/root/tools/escape.sh; the applets from the container's busybox.

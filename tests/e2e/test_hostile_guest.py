@@ -35,7 +35,7 @@ from testbed.pods import container_config, pod_config, pod_qemus, podvm_leftover
 from testbed.vmconfig import vm_config
 
 from .test_crictl import wait_for
-from .test_podvm_pods import configs, crictl, ctd, remove_pod, scratch_disk  # noqa: F401
+from .test_podvm_pods import configs, crictl, remove_pod, scratch_disk  # noqa: F401
 
 DISK_MARK = b"guest-root-was-here"
 POD_FILES = ("hosts", "hostname", "resolv.conf")

@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import signal
+import stat
 import threading
 import time
 
@@ -37,16 +38,17 @@ def guest_kernel() -> str:
 
 
 def scratch_disk(qemu: int, size_mib: int) -> str:
-    """The /proc path of the pod's scratch disk in `qemu`'s descriptors: the one unnamed
+    """The /proc path of the pod's scratch disk in `qemu`'s descriptors: the one regular
     file of `size_mib` it holds (by the descriptor it was given and by its own O_DIRECT
-    one, both the same file)."""
+    one, both the same file; unnamed, or named once in the pod's log directory, where
+    kubelet counts it: shim/host/podlogdisk.py)."""
     held = {}
     for fd in os.listdir(f"/proc/{qemu}/fd"):
         path = f"/proc/{qemu}/fd/{fd}"
         st = os.stat(path)
-        if st.st_nlink == 0 and st.st_size == size_mib << 20:
+        if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1 and st.st_size == size_mib << 20:
             held[(st.st_dev, st.st_ino)] = path
-    assert len(held) == 1, f"QEMU {qemu} holds {len(held)} unnamed disks of {size_mib} MiB"
+    assert len(held) == 1, f"QEMU {qemu} holds {len(held)} disks of {size_mib} MiB"
     return next(iter(held.values()))
 
 
