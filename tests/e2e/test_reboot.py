@@ -50,7 +50,7 @@ def node(tmp_path_factory, image_cache):
     workdir = tmp_path_factory.mktemp("reboot")
     template_cgroup = f"/podvm-test-reboot-{uuid.uuid4().hex[:12]}"
     config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"),
-                               template_cgroup=template_cgroup, scratch_disk_mib=0,
+                               template_cgroup=template_cgroup,
                                enable_annotations=("default_vcpus", "default_memory"))
     c = Containerd(workdir / "containerd", namespace="podvm-reboot-test", cri=True,
                    podvm_config=config)
@@ -185,8 +185,10 @@ def test_a_node_reboot_leaves_nothing_stale_and_blocks_no_pod(node) -> None:
     assert reboot.claims_of([old, again, fresh]) == []
     made = json.loads((store / f"{(template_keys(store) - kept).pop()}.json").read_text())
     assert made["made_by"] == fresh
-    scratch = os.listdir(node["scratch"]) if node["scratch"].exists() else []  # the blank file system and the locks only
-    assert all(re.fullmatch(r"blank-\d+M\.ext4|\.[a-z]*lock", n) for n in scratch), scratch
+    # the blank file system (its size and mke2fs arguments in its name) and the lock only
+    scratch = os.listdir(node["scratch"]) if node["scratch"].exists() else []
+    assert all(re.fullmatch(r"blank-\d+M-[0-9a-f]+\.ext4|\.lock", n) for n in scratch), \
+        scratch
     assert [c for c in reboot.cgroups_below(node["template_cgroup"])
             if os.path.basename(c) != node["template_cgroup"].strip("/")] == []
     assert [c for c in reboot.cgroups_below(ctd.cgroup_parent)
