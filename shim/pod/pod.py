@@ -37,7 +37,7 @@ from .errors import NotRunning, PodFilesError, Refused, StaticRefusal, StepFaile
 from .guestevents import oom_bucket, watch_oom
 from .hostns import refuse_host_namespaces, refuse_host_propagation
 from .podfiles import with_mounts
-from .podslot import KILLED_STATUS, VM_GONE_STATUS
+from .exitstatus import KILLED_STATUS, VM_GONE_STATUS
 from .request import PodRequest
 from .resize import Resizer
 from .sysctls import check_pod_sysctls

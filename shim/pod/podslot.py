@@ -13,11 +13,6 @@ from ..network.ahead import WorkerAhead
 if TYPE_CHECKING:
     from .pod import Pod, PodListener
 
-VM_GONE_STATUS = 255
-"""Exit status of a process whose VM died under it."""
-KILLED_STATUS = 137
-"""Exit status of a process whose VM was stopped under it (128 + SIGKILL)."""
-
 
 class PodSlot:
     def __init__(self) -> None:

@@ -24,7 +24,8 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 # pod's machinery is imported here at the top: a sandbox is about to need it.
 from ..options import load_config, saved_options
 from ...pod.pod import Pod
-from ...pod.podslot import VM_GONE_STATUS, PodSlot
+from ...pod.exitstatus import VM_GONE_STATUS
+from ...pod.podslot import PodSlot
 from ...resources.planner import parse_linux_resources, pod_cgroup_memory_mib, pod_resources
 from .request import pod_request
 

@@ -26,7 +26,7 @@ from podvm_core.ttrpc import TtrpcError
 
 from ..events import Publisher
 from ...pod.errors import PodError
-from ...pod.podslot import VM_GONE_STATUS
+from ...pod.exitstatus import VM_GONE_STATUS
 from podvm_core.ratelimit import LimitedLog
 from .process import Container, Process
 

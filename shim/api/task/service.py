@@ -25,7 +25,8 @@ from ..events import Publisher
 from ..options import load_config
 from ...host.mounts import Mount
 from ...pod.errors import NotRunning, PodError
-from ...pod.podslot import KILLED_STATUS, PodSlot
+from ...pod.exitstatus import KILLED_STATUS
+from ...pod.podslot import PodSlot
 from ...vm.stdio import Stdio
 from .bundle import read_bundle
 from .reporting import Reporter
