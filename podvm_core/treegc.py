@@ -136,7 +136,8 @@ def _seen_as(host: str, names: list[str]) -> dict[str, list[str]]:
 
 def _only_our_children_use(host: str) -> bool:
     """Every process still using a tree left under the host's /opt/podvm is a child of
-    this one (a daemon's QEMU or virtiofsd on its way out), and there is one."""
+    this one (a daemon's QEMU or virtiofsd on its way out) or a fork server (which
+    collect() stops once it is a tree's only user), and there is one."""
     seen_as = _seen_as(host, trees.names(host + trees.PREFIX))
     pids = {pid for pids in users([p for paths in seen_as.values() for p in paths],
                                   os.getpid()).values() for pid in pids}
@@ -147,9 +148,17 @@ def _only_our_children_use(host: str) -> bool:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        if parent != me:
+        if parent != me and not _fork_server(pid):
             return False
     return bool(pids)
+
+
+def _fork_server(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(FORK_SERVER)
+    except OSError:
+        return False
 
 
 def lock(host: str = "") -> int | None:
