@@ -111,7 +111,7 @@ def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait * share
-        while any(_alive(pid) for pid in pids):
+        while any(alive(pid) for pid in pids):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -120,7 +120,8 @@ def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process runs (neither gone nor a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")

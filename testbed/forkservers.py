@@ -9,9 +9,8 @@ import os
 import signal
 import time
 
+from podvm_core.treegc import FORK_SERVER, alive
 from shim.contract import identity
-
-PROCTITLE = b"containerd-shim-podvm-v2\0forkserver\0"
 
 
 def own() -> list[int]:
@@ -26,7 +25,7 @@ def own() -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if cmdline.startswith(PROCTITLE) and mark in cmdline:
+        if cmdline.startswith(FORK_SERVER) and mark in cmdline:
             found.append(int(entry))
     return found
 
@@ -41,14 +40,7 @@ def stop_own(wait: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + wait
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
