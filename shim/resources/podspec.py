@@ -103,13 +103,18 @@ def _size(quantity: Any, where: str) -> int | None:
     """A storage quantity in whole bytes (rounded up); None when unset."""
     if quantity is None:
         return None
+    return ceil_value(_quantity(quantity, where))
+
+
+def _quantity(quantity: Any, where: str) -> Fraction:
+    """A Kubernetes quantity, never negative; ValueError naming `where`."""
     try:
         amount = parse_quantity(quantity)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     if amount < 0:
         raise ValueError(f"{where}: {quantity!r} must not be negative")
-    return ceil_value(amount)
+    return amount
 
 
 def _object(value: Any, where: str) -> dict:
@@ -149,13 +154,7 @@ def _amounts(value: Any, where: str) -> dict[str, Fraction]:
     for resource, quantity in _object(value, where).items():
         if resource not in RESOURCES:
             continue
-        try:
-            amount = parse_quantity(quantity)
-        except ValueError as exc:
-            raise ValueError(f"{where}.{resource}: {exc}") from None
-        if amount < 0:
-            raise ValueError(f"{where}.{resource}: {quantity!r} must not be negative")
-        amounts[resource] = amount
+        amounts[resource] = _quantity(quantity, f"{where}.{resource}")
     return amounts
 
 
