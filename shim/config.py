@@ -72,6 +72,13 @@ class HypervisorConfig:
     """The most templates kept; the least recently used go first (then pods boot)."""
     template_max_mib: int = 1024
     """The most MiB templates take on disk, holes not counted."""
+    template_new_per_hour: int = 6
+    """The most templates pods' shims start to make on the node in an hour (fewer than
+    template_max_count: pods cannot cycle the whole store in an hour); then pods of new
+    shapes boot and make none (shim/vm/template/ledger.py). `templates warm` is not
+    counted."""
+    template_new_per_namespace_per_hour: int = 2
+    """The same bound for the pods of one Kubernetes namespace (one pod author)."""
     template_cgroup: str = "/podvm_templates"
     """The cgroup (in each hierarchy) templates are made in: beside the pods', so the
     node's reserved resources pay for them, not a pod."""
@@ -340,6 +347,10 @@ def _check_share_and_templates(q: HypervisorConfig, where: str) -> None:
         raise ConfigError(f"{where} template_max_count and template_max_mib must be 0 (no "
                           f"templates) or more, got {q.template_max_count} and "
                           f"{q.template_max_mib}")
+    for key in ("template_new_per_hour", "template_new_per_namespace_per_hour"):
+        if getattr(q, key) < 0:
+            raise ConfigError(f"{where} {key} must be 0 (pods make no templates) or more, "
+                              f"got {getattr(q, key)}")
     if q.shared_fs not in SHARED_FS:
         raise ConfigError(f"{where} shared_fs must be one of {', '.join(SHARED_FS)}, "
                           f"got {q.shared_fs!r}")

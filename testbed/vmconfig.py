@@ -96,7 +96,10 @@ def vm_config(**qemu: object) -> Config:
                   default_vcpus=1,
                   default_memory=256, default_maxvcpus=2, default_maxmemory=1024,
                   boot_timeout=60, template_path=str(TEMPLATES),
-                  template_cgroup=TEMPLATE_CGROUP)
+                  template_cgroup=TEMPLATE_CGROUP,
+                  # the suite's pods (one namespace) mint shapes at will; the bound on
+                  # new shapes is tests/vm/test_template_ledger.py's
+                  template_new_per_hour=1000, template_new_per_namespace_per_hour=1000)
     fields.update(qemu)
     # podvm's own Rust daemon, as on a node; the C one with the key it needs (shim/config.py)
     fields.setdefault("virtio_fs_daemon", rust_virtiofsd())
@@ -121,7 +124,8 @@ def write_test_config(path: pathlib.Path, runtime: dict | None = None,
     lines.append(f"enable_annotations = {json.dumps(list(q.enable_annotations))}")
     for key in ("default_vcpus", "default_memory", "default_maxvcpus", "default_maxmemory",
                 "boot_timeout", "template_max_count", "template_max_mib", "scratch_disk_mib",
-                "scratch_reserve_mib"):
+                "scratch_reserve_mib", "template_new_per_hour",
+                "template_new_per_namespace_per_hour"):
         lines.append(f"{key} = {getattr(q, key)}")
     lines.append("[runtime]")
     for key, value in (runtime or {}).items():

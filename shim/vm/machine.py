@@ -146,7 +146,7 @@ class Machine:
 
     def make_template(self) -> None:
         """The template of a shape that had none, made for the next pod (Restorer)."""
-        self.restorer.make_template()
+        self.restorer.make_template(self.state.pod_namespace)
 
     def record(self, **changes) -> None:
         """The state with `changes`, saved before the caller acts on it."""

@@ -9,7 +9,9 @@ so the node's reserved resources pay for it, never a pod), with low CPU shares (
 first) and a memory limit of the template's VM plus its QEMU. One template is made at a
 time on a node (the `making` lock in the store): a flood of pods of new shapes costs
 the node one template boot at a time, and the store's caps (template_max_count,
-template_max_mib) bound what is kept."""
+template_max_mib) bound what is kept. The templates pods' shims make are bounded too, per
+hour on the node and per pod author (shim/vm/template/ledger.py): a pod over the bound
+runs as booted, and no template of its shape is made."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +21,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from typing import Callable
 
 import cgroups
@@ -30,7 +33,7 @@ from ...host.cleanup import remove_parent_if_empty
 from ...host.podstate import CgroupState
 from ...network.model import PlaceholderNic
 from ..hypervisor import VMSpec
-from . import store, template as templates
+from . import ledger, store, template as templates
 
 log = logging.getLogger("podvm.templatemaker")
 
@@ -61,6 +64,9 @@ class Result(enum.Enum):
     NO_ROOM = "no room"
     TRIMMED = "trimmed"
     """Made, and then trimmed by the store's caps at once."""
+    BOUNDED = "bounded"
+    """Not made: the pod's namespace, or the node, started its bound of new shapes in
+    the last hour (shim/vm/template/ledger.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +142,14 @@ def class_of(spec: VMSpec) -> VMSpec | None:
     return templates.base_of(spec, q.default_vcpus, q.default_memory)
 
 
-async def make(shape: VMSpec, record: Record | None = None) -> Outcome:
+async def make(shape: VMSpec, record: Record | None = None,
+               namespace: str | None = None) -> Outcome:
     """Make `shape`'s template unless there is one, or someone is making a template on
     this node now. Errors are the boot's (a broken guest image) or templates.NotSaved.
     `record`: told the template's cgroup before it is made, and None once it is gone (a
-    pod's shim keeps it in sandbox.json, for `delete` after a crash)."""
+    pod's shim keeps it in sandbox.json, for `delete` after a crash). `namespace`: the
+    pod author a pod's shim makes it for, its make counted and bounded (ledger.charge)
+    before any template is evicted for it; None for the operator's (`warm`)."""
     q = shape.hypervisor
     template = templates.of(shape)
     exists = Outcome(Result.EXISTS, f"template {template.key} exists")
@@ -157,6 +166,13 @@ async def make(shape: VMSpec, record: Record | None = None) -> Outcome:
         try:
             if template.exists():
                 return exists
+            if namespace is not None:
+                over = ledger.charge(q.template_path,
+                                     ledger.Make(time.time(), namespace, template.key),
+                                     ledger.Bounds(q.template_new_per_hour,
+                                                   q.template_new_per_namespace_per_hour))
+                if over:
+                    return Outcome(Result.BOUNDED, over)
             if not store.make_room(q.template_path, shape.memory_mib << 20,
                                            q.template_max_count, q.template_max_mib << 20):
                 return Outcome(Result.NO_ROOM, "no room for a template (template_max_count, "
@@ -194,17 +210,23 @@ async def _make_in_cgroup(template: templates.Template, shape: VMSpec,
             record(None)
 
 
-async def make_in_background(shape: VMSpec, sandbox_id: str, record: Record) -> None:
-    """For a pod that booted: its shape's template, for the next pod of the shape. Never
-    raises: the pod runs on whatever happens here (cancelled when the pod goes)."""
+async def make_in_background(shape: VMSpec, sandbox_id: str, record: Record,
+                             namespace: str) -> None:
+    """For a pod that booted, of Kubernetes namespace `namespace`: its shape's template,
+    for the next pod of the shape, within the bounds on new shapes. Never raises: the
+    pod runs on whatever happens here (cancelled when the pod goes)."""
     try:
-        outcome = await make(shape, record)
+        outcome = await make(shape, record, namespace)
     except asyncio.CancelledError:
         log.info("sandbox %s: template of its shape not made: the pod went first",
                  sandbox_id)
         raise
     except Exception as exc:
         log.warning("sandbox %s: template of its shape not made: %s", sandbox_id, exc)
+        return
+    if outcome.result is Result.BOUNDED:
+        log.warning("sandbox %s: template of its shape not made: %s", sandbox_id,
+                    outcome.line)
         return
     log.info("sandbox %s: %s in the background", sandbox_id, outcome.line)
 

@@ -120,13 +120,15 @@ class Restorer:
         await vm.launch(preexec=preexec)
         return None
 
-    def make_template(self) -> None:
+    def make_template(self, namespace: str) -> None:
         """After a boot that found no template of its shape: that template made in the
-        background (in its own cgroup, shim/vm/template/maker.py), for the next pod;
+        background (in its own cgroup, shim/vm/template/maker.py), for the next pod,
+        counted against the bounds on new shapes of the pod's Kubernetes `namespace`;
         cancelled by cancel_template() if the pod goes first."""
         if self._untemplated is not None and self._template_maker is None:
             self._template_maker = asyncio.create_task(maker.make_in_background(
-                self._untemplated, self.id, lambda cg: self._record(template_cgroup=cg)))
+                self._untemplated, self.id, lambda cg: self._record(template_cgroup=cg),
+                namespace))
 
     async def cancel_template(self) -> None:
         """The template being made in the background stopped (the pod goes first)."""
