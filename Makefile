@@ -140,6 +140,7 @@ bench: guest virtiofsd
 	$(VENV)/bin/python bench/plot_reservation.py build/reservation_vms.json build/reservation_vms.png
 	$(VENV)/bin/python bench/net_bench.py
 	$(VENV)/bin/python bench/fs_bench.py
+	$(VENV)/bin/python bench/disk_bench.py
 	$(VENV)/bin/python bench/fs_bench.py --runtime-only podvm --shared-fs virtio-9p
 	$(VENV)/bin/python bench/webhook_bench.py
 	$(VENV)/bin/python bench/monitor_bench.py
