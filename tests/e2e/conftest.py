@@ -4,8 +4,9 @@ import pathlib
 
 import pytest
 
+from testbed import bridgenet
 from testbed.containerd import Containerd
-from testbed.prereqs import require_root, require_tool
+from testbed.prereqs import require, require_root, require_tool
 from testbed.vmconfig import vm_config, warm
 
 from .test_podvm_pods import cri_containerd
@@ -20,6 +21,16 @@ def containerd(tmp_path_factory):
     c = Containerd(tmp_path_factory.mktemp("containerd")).start()
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def pod_network() -> None:
+    """What a module whose pods must be on the test bridge (testbed/bridgenet.py) and run
+    busybox's servers needs: a CRI containerd on a machine without it runs its pods on no
+    network, so its tests would fail later and less clearly."""
+    require_tool("busybox", "busybox-static")
+    missing = bridgenet.missing_prerequisites()
+    require(not missing, ", ".join(missing))
 
 
 @pytest.fixture(scope="session")

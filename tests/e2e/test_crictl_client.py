@@ -10,6 +10,9 @@ import sys
 import pytest
 
 from testbed import crictl as cli
+from testbed import crictlformat as fmt
+from testbed import crictlsettings as cfg
+from testbed import crictlstreams as streams
 from testbed.containerd import REPO_ROOT
 from testbed.criclient import grpc_target
 
@@ -18,7 +21,7 @@ def test_read_config_takes_crictl_yaml(tmp_path) -> None:
     path = tmp_path / "crictl.yaml"
     path.write_text("---\n# comment\nruntime-endpoint: unix:///run/x.sock  # trailing\n"
                     "image-endpoint: 'unix:///run/y.sock'\ntimeout: 10\ndebug: true\n")
-    assert cli.read_config(str(path)) == {"runtime-endpoint": "unix:///run/x.sock",
+    assert cfg.read_config(str(path)) == {"runtime-endpoint": "unix:///run/x.sock",
                                           "image-endpoint": "unix:///run/y.sock",
                                           "timeout": "10", "debug": "true"}
 
@@ -32,12 +35,12 @@ def test_global_and_command_timeouts_apart() -> None:
 
 
 def test_durations() -> None:
-    assert cli.parse_duration("2s") == 2
-    assert cli.parse_duration("1m30s") == 90
-    assert cli.parse_duration("500ms") == 0.5
-    assert cli.parse_duration("10") == 10
-    with pytest.raises(cli.Fatal):
-        cli.parse_duration("2 s")
+    assert cfg.parse_duration("2s") == 2
+    assert cfg.parse_duration("1m30s") == 90
+    assert cfg.parse_duration("500ms") == 0.5
+    assert cfg.parse_duration("10") == 10
+    with pytest.raises(fmt.Fatal):
+        cfg.parse_duration("2 s")
 
 
 def test_cri_log_format() -> None:
@@ -47,7 +50,7 @@ def test_cri_log_format() -> None:
             b"2024-01-01T00:00:00.4Z stdout F ee\n"
             b"2024-01-01T00:00:00.5Z stdout F \n"
             b"2024-01-01T00:00:00.6Z stdout P tail")
-    assert cli._log_records(data) == [
+    assert streams._log_records(data) == [
         ("2024-01-01T00:00:00.1Z", "stdout", b"one\n"),
         ("2024-01-01T00:00:00.2Z", "stderr", b"two\n"),
         ("2024-01-01T00:00:00.3Z", "stdout", b"three\n"),
@@ -56,13 +59,13 @@ def test_cri_log_format() -> None:
 
 
 def test_tables_and_units() -> None:
-    assert cli.table(["A", "B"], [["x" * 25, "y"]]) == \
+    assert fmt.table(["A", "B"], [["x" * 25, "y"]]) == \
         "A" + " " * 27 + "B\n" + "x" * 25 + "   y\n"
-    assert cli.human_duration(0.5) == "Less than a second"
-    assert cli.human_duration(75) == "About a minute"
-    assert cli.human_duration(3 * 3600) == "3 hours"
-    assert cli.human_size(2_131_000) == "2.131MB"
-    assert cli.truncate_id("sha256:" + "ab" * 32, "sha256:") == "ab" * 6 + "a"
+    assert fmt.human_duration(0.5) == "Less than a second"
+    assert fmt.human_duration(75) == "About a minute"
+    assert fmt.human_duration(3 * 3600) == "3 hours"
+    assert fmt.human_size(2_131_000) == "2.131MB"
+    assert fmt.truncate_id("sha256:" + "ab" * 32, "sha256:") == "ab" * 6 + "a"
 
 
 def test_endpoints() -> None:
@@ -89,7 +92,7 @@ def test_json_configs_in_either_spelling(tmp_path) -> None:
                                 "linux": {"security_context": {"namespaceOptions":
                                                                {"network": "NODE"}}},
                                 "unknown_field": 1}))
-    msg = cli.load_message(str(path), api_pb2.PodSandboxConfig())
+    msg = fmt.load_message(str(path), api_pb2.PodSandboxConfig())
     assert msg.log_directory == "/l"
     assert msg.linux.security_context.namespace_options.network == api_pb2.NODE
 
@@ -99,7 +102,7 @@ def test_inspectp_prints_the_pod_network_as_crictl_does() -> None:
 
     status = api_pb2.PodSandboxStatus(id="p", network=api_pb2.PodSandboxNetworkStatus(
         ip="10.1.2.3", additional_ips=[api_pb2.PodIP(ip="fd00::3")]))
-    out = json.loads(cli.status_info(status, {"info": '{"pid": 1}'}))
+    out = json.loads(fmt.status_info(status, {"info": '{"pid": 1}'}))
     assert out["status"]["network"] == {"ip": "10.1.2.3",
                                         "additionalIps": [{"ip": "fd00::3"}]}
     assert out["info"] == {"pid": 1}

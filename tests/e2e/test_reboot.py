@@ -24,47 +24,32 @@ import pytest
 from shim.host import paths
 from shim.resources.annotations import KATA
 from shim.vm.template.store import MAKING_FILE
-from testbed import bridgenet, reboot
-from testbed.containerd import CRI_NAMESPACE, SHIM_BIN_DIR, Containerd, shims_of
+from testbed import reboot
+from testbed.containerd import CRI_NAMESPACE, SHIM_BIN_DIR, Containerd
 from testbed.cri import Crictl, write_config
 from testbed.pods import container_config, pod_config, podvm_leftovers, qemus
-from testbed.prereqs import require, require_root, require_tool
-from testbed.vmconfig import guest_image, write_test_config
 
 from .test_crictl import wait_for
-from .test_podvm_pods import remove_pod
+from .test_podvm_pods import cri_containerd, remove_pod
 
 NEW_SHAPE = {KATA + "default_memory": "259"}
 """A pod of a shape no template has (the memory's remainder modulo 128 MiB)."""
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, image_cache):
-    require_root()
-    for tool in ("containerd", "ctr"):
-        require_tool(tool, "containerd")
-    require_tool("busybox", "busybox-static")
-    missing = bridgenet.missing_prerequisites()
-    require(not missing, ", ".join(missing))
-    guest_image()
-    workdir = tmp_path_factory.mktemp("reboot")
+def node(tmp_path_factory, image_cache, pod_network):
+    workdir = tmp_path_factory.mktemp("reboot-store")
     template_cgroup = f"/podvm-test-reboot-{uuid.uuid4().hex[:12]}"
-    config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"),
-                               template_cgroup=template_cgroup,
-                               enable_annotations=("default_vcpus", "default_memory"))
-    c = Containerd(workdir / "containerd", namespace="podvm-reboot-test", cri=True,
-                   podvm_config=config)
-    c.start()
     try:
-        c.import_cri_images(image_cache)
-        yield {"ctd": c, "store": workdir / "store", "scratch": workdir / "store-scratch",
-               "template_cgroup": template_cgroup, "configs": workdir / "configs"}
+        for c in cri_containerd(tmp_path_factory, image_cache, "reboot", "podvm-reboot-test",
+                                template_path=str(workdir / "store"),
+                                template_cgroup=template_cgroup,
+                                enable_annotations=("default_vcpus", "default_memory")):
+            yield {"ctd": c, "store": workdir / "store", "scratch": workdir / "store-scratch",
+                   "template_cgroup": template_cgroup, "configs": workdir / "configs"}
     finally:
-        c.stop()
         for cgroup in reversed(reboot.cgroups_below(template_cgroup)):
             os.rmdir(cgroup)
-    assert c.forced == [], f"stop() had to force: {c.forced}"
-    assert shims_of(c.address) == [] and qemus(c.cgroup_parent) == []
 
 
 def runp(crictl: Crictl, node: dict, name: str, **extra) -> tuple[str, pathlib.Path]:

@@ -26,16 +26,14 @@ import pytest
 from podvmctl import status
 from shim.resources.annotations import KATA
 from shim.vm.hypervisor import template_mac
-from testbed import bridgenet
 from testbed.containerd import Containerd, shims_of
 from testbed.cri import Crictl, write_config
 from testbed.netpods import fetch_from_host, httpd_script, pod_ip, url, wait_for_port
 from testbed.pods import pod_config, podvm_leftovers, qemus
-from testbed.prereqs import require, require_root, require_tool
-from testbed.vmconfig import TEMPLATE_CGROUP, guest_image, write_test_config
+from testbed.vmconfig import TEMPLATE_CGROUP, write_test_config
 
 from .test_crictl import run_container, wait_for
-from .test_podvm_pods import remove_pod, runp
+from .test_podvm_pods import cri_containerd, remove_pod, runp
 
 ETH_P_ALL = 0x0003
 TEMPLATE_AGE = 8.0
@@ -44,28 +42,15 @@ clock would be behind by that much."""
 
 
 @pytest.fixture(scope="module")
-def ctd(tmp_path_factory, image_cache):
-    require_root()
-    for tool in ("containerd", "ctr"):
-        require_tool(tool, "containerd")
-    require_tool("busybox", "busybox-static")
-    missing = bridgenet.missing_prerequisites()
-    require(not missing, ", ".join(missing))
-    guest_image()
-    workdir = tmp_path_factory.mktemp("templates")
-    config = write_test_config(workdir / "podvm.toml", template_path=str(workdir / "store"),
-                               enable_annotations=("default_vcpus", "default_memory"))
-    c = Containerd(workdir / "containerd", namespace="podvm-template-test", cri=True,
-                   podvm_config=config)
-    c.start()
-    c.templates = workdir / "store"  # type: ignore[attr-defined]
-    try:
-        c.import_cri_images(image_cache)
+def ctd(tmp_path_factory, image_cache, pod_network):
+    """Pods on the bridge whose templates are this module's own (not the run's warmed
+    ones): each test sees which its pods make."""
+    store = tmp_path_factory.mktemp("templates-store") / "store"
+    for c in cri_containerd(tmp_path_factory, image_cache, "templates", "podvm-template-test",
+                            template_path=str(store),
+                            enable_annotations=("default_vcpus", "default_memory")):
+        c.templates = store  # type: ignore[attr-defined]
         yield c
-    finally:
-        c.stop()
-    assert c.forced == [], f"stop() had to force: {c.forced}"
-    assert shims_of(c.address) == []
 
 
 @pytest.fixture(scope="module")

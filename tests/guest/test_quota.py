@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass
 
 import pytest
 
-from guest.agent import quota, volumes, writable
+from guest.agent import quota, volumes
 from podvm_core.ttrpc import Code, TtrpcError
 from shim.vm import scratchdisk
 from testbed.prereqs import require_tool
+from tests.guest.conftest import Dir
 
 WEBHOOKS = {"containers": {"app": 104857600, "zero": 0}, "emptyDirs": {"cache": 52428800},
             "unbounded": ["container:sidecar", "emptyDir:tmp"]}
@@ -63,24 +63,13 @@ def test_a_disk_without_project_quotas_takes_no_limit(no_project_dir) -> None:
     assert "container a" in err.value.message and "project quotas" in err.value.message
 
 
-@dataclass
-class Dir:  # as the request's LocalDir
-    path: str
-    mode: int = 0o777
-    uid: int = 0
-    gid: int = 0
-
-
-def test_an_empty_dir_whose_limit_cannot_be_set_is_not_left_made(tmp_path,
-                                                                  monkeypatch) -> None:
-    monkeypatch.setattr(volumes, "VOLUMES", str(tmp_path / "volumes"))
-    monkeypatch.setattr(writable, "mount_scratch", lambda: None)
+def test_an_empty_dir_whose_limit_cannot_be_set_is_not_left_made(volumes_root) -> None:
     with pytest.raises(TtrpcError) as err:
         volumes.make([Dir("cache"), Dir("cache/sub")], {"cache": 1 << 20})
     assert "emptyDir cache" in err.value.message
-    assert list((tmp_path / "volumes").iterdir()) == []
+    assert list(volumes_root.iterdir()) == []
     volumes.make([Dir("cache"), Dir("cache/sub")], {"other": 1 << 20})  # none of its own
-    assert (tmp_path / "volumes" / "cache" / "sub").is_dir()
+    assert (volumes_root / "cache" / "sub").is_dir()
 
 
 def test_the_blank_keeps_project_quotas_only(tmp_path) -> None:

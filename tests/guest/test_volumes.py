@@ -6,27 +6,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-from dataclasses import dataclass
 
 import pytest
 
 from guest.agent import volumes, writable
 from podvm_core.ttrpc import Code, TtrpcError
-
-
-@dataclass
-class Dir:  # as the request's LocalDir
-    path: str
-    mode: int = 0o777
-    uid: int = 0
-    gid: int = 0
-
-
-@pytest.fixture
-def root(tmp_path, monkeypatch) -> pathlib.Path:
-    monkeypatch.setattr(volumes, "VOLUMES", str(tmp_path / "volumes"))
-    monkeypatch.setattr(writable, "mount_scratch", lambda: None)
-    return tmp_path / "volumes"
+from tests.guest.conftest import Dir
 
 
 def mode(path: pathlib.Path) -> tuple[int, int, int]:
@@ -34,34 +19,35 @@ def mode(path: pathlib.Path) -> tuple[int, int, int]:
     return st.st_mode & 0o7777, st.st_uid, st.st_gid
 
 
-def test_each_directory_is_made_with_its_owner_and_mode(root) -> None:
+def test_each_directory_is_made_with_its_owner_and_mode(volumes_root) -> None:
     volumes.make([Dir("cache", 0o2777, 0, 1234), Dir("cache/a", 0o755, 1000, 1000),
                   Dir("cache/a/b", 0o750, 0, 1234)])
-    assert mode(root / "cache") == (0o2777, 0, 1234)
-    assert mode(root / "cache" / "a") == (0o755, 1000, 1000)
-    assert mode(root / "cache" / "a" / "b") == (0o750, 0, 1234)
+    assert mode(volumes_root / "cache") == (0o2777, 0, 1234)
+    assert mode(volumes_root / "cache" / "a") == (0o755, 1000, 1000)
+    assert mode(volumes_root / "cache" / "a" / "b") == (0o750, 0, 1234)
 
 
-def test_what_is_there_is_left_as_the_containers_left_it(root) -> None:
+def test_what_is_there_is_left_as_the_containers_left_it(volumes_root) -> None:
     volumes.make([Dir("cache", 0o777)])
-    (root / "cache" / "kept").write_text("data")
-    os.chmod(root / "cache", 0o700)
+    (volumes_root / "cache" / "kept").write_text("data")
+    os.chmod(volumes_root / "cache", 0o700)
     volumes.make([Dir("cache", 0o777), Dir("cache/sub", 0o755)])
-    assert mode(root / "cache")[0] == 0o700 and (root / "cache" / "kept").read_text() == "data"
-    assert (root / "cache" / "sub").is_dir()
+    assert mode(volumes_root / "cache")[0] == 0o700
+    assert (volumes_root / "cache" / "kept").read_text() == "data"
+    assert (volumes_root / "cache" / "sub").is_dir()
 
 
 @pytest.mark.parametrize("link_at", ["cache/sub", "cache"])
-def test_a_link_where_a_directory_goes_is_refused_and_not_followed(root, tmp_path,
+def test_a_link_where_a_directory_goes_is_refused_and_not_followed(volumes_root, tmp_path,
                                                                    link_at) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
-    root.mkdir()
+    volumes_root.mkdir()
     if link_at == "cache":
-        (root / "cache").symlink_to(outside)
+        (volumes_root / "cache").symlink_to(outside)
     else:
-        (root / "cache").mkdir()
-        (root / "cache" / "sub").symlink_to(outside)
+        (volumes_root / "cache").mkdir()
+        (volumes_root / "cache" / "sub").symlink_to(outside)
     with pytest.raises(TtrpcError) as err:
         volumes.make([Dir("cache"), Dir("cache/sub"), Dir("cache/sub/deeper")])
     assert err.value.code == Code.FAILED_PRECONDITION
@@ -69,15 +55,15 @@ def test_a_link_where_a_directory_goes_is_refused_and_not_followed(root, tmp_pat
     assert list(outside.iterdir()) == []
 
 
-def test_a_file_where_a_directory_goes_is_refused(root) -> None:
-    root.mkdir()
-    (root / "cache").write_text("")
+def test_a_file_where_a_directory_goes_is_refused(volumes_root) -> None:
+    volumes_root.mkdir()
+    (volumes_root / "cache").write_text("")
     with pytest.raises(TtrpcError, match="cache is a link or no directory"):
         volumes.make([Dir("cache")])
 
 
 @pytest.mark.parametrize("bad", ["", "/abs", "a/../b", "a//b", ".", "a/.", "a\0b"])
-def test_a_path_that_is_not_plain_names_is_refused(root, bad) -> None:
+def test_a_path_that_is_not_plain_names_is_refused(volumes_root, bad) -> None:
     with pytest.raises(TtrpcError) as err:
         volumes.make([Dir(bad)])
     assert err.value.code == Code.INVALID_ARGUMENT
