@@ -129,6 +129,7 @@ def install(host: str, bundle: str, restart: Restart | None = None,
     """`warm`: the templates' warm-up, last (None: none); pods boot where it fails.
     `default_config`: as check's."""
     plan = check(host, bundle, version_text, mountinfo, default_config)
+    hostcheck.warn_scratch_mount(host, os.path.join(bundle, "etc", "configuration.toml"), say)
     record = hostfiles.load(host) or hostfiles.Record()
     note = _take_over_note(host, record)
     before = copy.deepcopy(record)
