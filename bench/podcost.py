@@ -64,6 +64,26 @@ class PodCost:
     """What the host charges the pod cgroup once idle."""
     restored: bool = False
     """podvm: its VM was restored from its shape's template (the shim logged so)."""
+    guest_ready_s: float = 0.0
+    """podvm: of ready, how long the shim waited for the guest (guest_waits)."""
+    guest_container_s: float = 0.0
+    """podvm: of the container's create and start, how long the shim waited for the
+    guest."""
+
+    @property
+    def host_ready_s(self) -> float:
+        """Ready less the guest's share: what a node keeps where the guest's steps take
+        next to nothing (KVM)."""
+        return self.ready_s - self.guest_ready_s
+
+    @property
+    def container_s(self) -> float:
+        """CreateContainer + StartContainer: ready to the container running."""
+        return self.running_s - self.ready_s
+
+    @property
+    def host_container_s(self) -> float:
+        return self.container_s - self.guest_container_s
 
     @property
     def rss_total(self) -> float:
@@ -209,6 +229,21 @@ def restored_from_template(log: str, pod_id: str) -> bool:
     return f"sandbox {pod_id}: VM restored from template" in log
 
 
+def guest_waits(log: str, container_id: str) -> float | None:
+    """Seconds the shim waited for the guest in the Task API's Create and Start of
+    `container_id`, from its lines "container ID created in X, of which the guest G"
+    (shim/api/task/service.py, shim/vm/guestclock.py); None when one is missing."""
+    waits = []
+    for what in ("created", "started"):
+        needle = f"container {container_id} {what} in "
+        at = log.find(needle)
+        if at < 0:
+            return None
+        line = log[at:log.find("\n", at)]
+        waits.append(float(line.split("of which the guest ", 1)[1].split("s", 1)[0]))
+    return sum(waits)
+
+
 def comparison(podvm: list[PodCost], runc: list[PodCost]) -> list[str]:
     """podvm against runc, medians, as lines: podvm's restored pods where there are any
     (every podvm pod in brackets)."""
@@ -219,7 +254,11 @@ def comparison(podvm: list[PodCost], runc: list[PodCost]) -> list[str]:
     lines = [f"podvm against runc, alternated in this run, medians ({which} against "
              f"{len(runc)} runc pods):"]
     for label, get, unit in (("runp to ready", lambda c: c.ready_s, "s"),
+                             ("  ready: the host's share", lambda c: c.host_ready_s, "s"),
                              ("runp + create + start to running", lambda c: c.running_s, "s"),
+                             ("  create + start", lambda c: c.container_s, "s"),
+                             ("  create + start: the host's share",
+                              lambda c: c.host_container_s, "s"),
                              ("idle pod: its processes' RSS", lambda c: c.rss_total, "MiB"),
                              ("idle pod: its pod cgroup's charge", lambda c: c.charged_mib,
                               "MiB")):

@@ -89,15 +89,24 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
 FORK_SERVER = b"containerd-shim-podvm-v2\0forkserver\0"
 """The command line's start of a shim's fork server (shim/contract/forkserver.py): a warm
 parent the daemons fork from, which uses its tree but serves no pod."""
+SPARE_WORKER = (b"\0shim.network.worker\0", b"\0--spare\0")
+"""What the command line of a fork server's spare network worker holds
+(shim/contract/spareworker.py): the server's part until a daemon takes it, and then that
+daemon's (whose own use of the tree keeps it)."""
+
+
+def _server_part(cmdline: bytes) -> bool:
+    """A fork server, or its spare network worker."""
+    return cmdline.startswith(FORK_SERVER) or all(m in cmdline for m in SPARE_WORKER)
 
 
 def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
-    """Whether nothing uses a tree whose users are `pids`: none, or only fork servers,
-    stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
+    """Whether nothing uses a tree whose users are `pids`: none, or only fork servers
+    (and their spare workers), stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().startswith(FORK_SERVER):
+                if not _server_part(f.read()):
                     return False
         except OSError:
             continue  # gone
@@ -157,7 +166,7 @@ def _only_our_children_use(host: str) -> bool:
 def _fork_server(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(FORK_SERVER)
+            return _server_part(f.read())
     except OSError:
         return False
 

@@ -73,7 +73,8 @@ async def wait_gone(pid: int, timeout: float = 5) -> None:
 
 
 def network_workers(daemon_pid: int) -> list[int]:
-    """The daemon's children that are network workers."""
+    """The daemon's network workers: its children that are, and the fork server's spare
+    it was handed (shim/contract/spareworker.py), whose socket's peer the daemon holds."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -81,7 +82,38 @@ def network_workers(daemon_pid: int) -> list[int]:
             cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and \
-                b"shim.network.worker" in cmdline:
+        if b"shim.network.worker" not in cmdline:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid or \
+                b"\0--spare\0" in cmdline and _peers(int(entry)) & _sockets(daemon_pid):
             found.append(int(entry))
     return found
+
+
+def _sockets(pid: int) -> set[int]:
+    """The inodes of the sockets `pid` holds."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def _peers(pid: int) -> set[int]:
+    """The inodes of the peers of `pid`'s Unix sockets (ss(8): the kernel's sock_diag)."""
+    own = _sockets(pid)
+    out = subprocess.run(["ss", "-xan"], capture_output=True, text=True).stdout
+    peers = set()
+    for line in out.splitlines()[1:]:
+        fields = line.split()
+        try:
+            local, peer = int(fields[-3]), int(fields[-1])
+        except (IndexError, ValueError):
+            continue
+        if local in own:
+            peers.add(peer)
+    return peers

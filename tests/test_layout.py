@@ -30,7 +30,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("shim.vm.qemu",),
     # what QEMU and the rest share; the file server is no part of QEMU's driver
     ("shim.vm.virtiofsd", "shim.vm.scratchdisk", "shim.vm.stateload", "shim.vm.vmmlog"),
-    ("shim.vm.hypervisor", "shim.vm.memcopy", "shim.vm.cappedlog", "shim.vm.workdir"),
+    ("shim.vm.hypervisor", "shim.vm.memcopy", "shim.vm.cappedlog", "shim.vm.workdir",
+     "shim.vm.guestclock"),
     ("shim.host", "shim.network", "shim.cpus"),
     ("shim.resources",),
     ("shim.config", "shim"),
@@ -128,6 +129,18 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/contract/cli.py",
      "importlib.util"):
         "the daemon only",
+    ("shim/contract/cli.py",
+     "shim.api.task.request"):
+        "the fork server only (load_pod): a pod's first Create loads it otherwise",
+    ("shim/contract/cli.py",
+     "shim.host.cleanup"):
+        "the fork server only (load_pod): a pod's first Create loads it otherwise",
+    ("shim/contract/cli.py",
+     "shim.network.portforward"):
+        "the fork server only (load_pod): a pod's first Create loads it otherwise",
+    ("shim/contract/cli.py",
+     "shim.pod.pod"):
+        "the fork server only (load_pod): a pod's first Create loads it otherwise",
     ("shim/contract/daemon.py",
      "podvm_core.treegc"):
         "after an uninstall only: shutil and the collection, off the daemon's start",

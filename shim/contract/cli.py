@@ -60,11 +60,12 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def run_daemon(flags: Flags, sock=None) -> int:
+def run_daemon(flags: Flags, sock=None, spare_worker=None) -> int:
     """Serve as the pod's daemon: on the listening socket `sock` (`start` forks the daemon
-    with the one it bound), else on fd 3."""
+    with the one it bound), else on fd 3; `spare_worker`: the fork server's spare network
+    worker (shim/contract/spareworker.py)."""
     gc.disable()  # until it serves, as above
-    return load_daemon()(flags, sock)
+    return load_daemon()(flags, sock, spare_worker)
 
 
 def load_daemon():
@@ -76,6 +77,19 @@ def load_daemon():
     from .daemon import serve
 
     return serve
+
+
+def load_pod() -> None:
+    """What a pod's first Create loads, its VM machinery (about 0.17 s of CPU on the pod's
+    way to ready). Only the fork server loads it ahead, for its daemons: each daemon it
+    forks runs a pod, whose shim loads all of it at that Create anyway, so the running
+    pod's shim maps nothing more than it did (docs/design.md, "The fork server")."""
+    from ..api.task import request  # each here: the fork server's load only
+    from ..host import cleanup  # likewise
+    from ..network import portforward  # likewise
+    from ..pod import pod  # likewise
+
+    del pod, request, portforward, cleanup  # loaded: that is all they are here for
 
 
 def _import_asyncio_without_tls() -> None:

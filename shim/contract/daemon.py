@@ -34,8 +34,10 @@ HANGUP_GRACE = 1.0
 its Shutdown or ShutdownSandbox is read as an answer (podvm_core/ttrpc/server.py)."""
 
 
-def serve(flags: Flags, sock: socket.socket | None = None) -> int:
-    """Serve on `sock` (`start` forks the daemon with the socket it bound), else on fd 3."""
+def serve(flags: Flags, sock: socket.socket | None = None,
+          spare_worker: socket.socket | None = None) -> int:
+    """Serve on `sock` (`start` forks the daemon with the socket it bound), else on fd 3.
+    `spare_worker`: the fork server's spare network worker, when the server forked it."""
     _open_log_fifo(os.path.join(flags.bundle_dir, "log"))
     shimlog.setup(flags.debug, id=flags.id, namespace=flags.namespace)
     if sock is None:
@@ -46,7 +48,7 @@ def serve(flags: Flags, sock: socket.socket | None = None) -> int:
                       SOCKET_FD)
             return 1
     try:
-        asyncio.run(_serve(flags, sock))
+        asyncio.run(_serve(flags, sock, spare_worker))
     except Exception:
         log.exception("shim daemon failed")
         return 1
@@ -61,7 +63,8 @@ def serve(flags: Flags, sock: socket.socket | None = None) -> int:
     return 0
 
 
-async def _serve(flags: Flags, sock: socket.socket) -> None:
+async def _serve(flags: Flags, sock: socket.socket,
+                 spare_worker: socket.socket | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -73,7 +76,7 @@ async def _serve(flags: Flags, sock: socket.socket) -> None:
         loop.call_soon(stop.set)
 
     # The one pod, shared by both APIs (shim/pod/podslot.py).
-    slot = PodSlot()
+    slot = PodSlot(spare_worker)
     tasks = TaskAPI(flags.namespace, publisher, shutdown, slot)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
     server = Server([tasks.bind(descriptor, name) for name in TASK_SERVICES],
@@ -123,6 +126,8 @@ async def _start_network_worker(slot: PodSlot, bundle: str) -> None:
         return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
     if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
         await slot.network_worker.start()
+    else:  # no pod network (the host's): a spare worker would wait for the pod's life
+        await slot.network_worker.close()
 
 
 def _sandbox_service(slot: PodSlot, namespace: str, shutdown: Callable[[], None]) -> Service:

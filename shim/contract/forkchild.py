@@ -25,12 +25,13 @@ class Request(NamedTuple):
 
 
 def become_daemon(conn: socket.socket, request: Request, listener_fd: int, cwd_fd: int,
-                  serve) -> None:
-    """In the fork server's grandchild; never returns."""
+                  serve, spare_fd: int = -1) -> None:
+    """In the fork server's grandchild; never returns. `spare_fd`: the server's spare
+    network worker's socket (spareworker.py), -1 when it has none."""
     code = 1
     try:
         try:
-            sock = _take(conn, request, listener_fd, cwd_fd)
+            sock = _take(conn, request, listener_fd, cwd_fd, spare_fd)
         except Exception as exc:
             conn.send(json.dumps({"error": f"the forked daemon could not start: {exc}"})
                       .encode())
@@ -39,16 +40,17 @@ def become_daemon(conn: socket.socket, request: Request, listener_fd: int, cwd_f
         if conn.recv(len(GO) + 1) != GO:
             return  # `start` gave up: it forks its own daemon
         conn.close()
-        code = serve(request.flags, sock)
+        code = serve(request.flags, sock,
+                     socket.socket(fileno=spare_fd) if spare_fd >= 0 else None)
     finally:
         os._exit(code)
 
 
-def _take(conn: socket.socket, request: Request, listener_fd: int,
-          cwd_fd: int) -> socket.socket:
+def _take(conn: socket.socket, request: Request, listener_fd: int, cwd_fd: int,
+          spare_fd: int) -> socket.socket:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a daemon `start` forks has it
     os.setsid()
-    keep = sorted({conn.fileno(), listener_fd, cwd_fd})
+    keep = sorted({conn.fileno(), listener_fd, cwd_fd} | ({spare_fd} if spare_fd >= 0 else set()))
     low = 3
     for fd in keep:  # the server's listener and lock, and anything else of its
         os.closerange(low, fd)

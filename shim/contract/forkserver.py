@@ -25,6 +25,7 @@ import time
 from podvm_core import trees
 
 from . import forkchild, identity as code_identity
+from .spareworker import Spare
 from .flags import Flags
 from .forkclient import MAX_MESSAGE, directory, lock_path, peer, socket_path
 from .proctitle import set_cmdline
@@ -55,11 +56,14 @@ class _Stop(BaseException):
 
 def main() -> int:
     """`python -m shim.contract.forkserver`, as forkclient.spawn_server runs it."""
-    from .cli import load_daemon, run_daemon  # here: the daemon's entry, for `-m` alone
+    from .cli import load_daemon, load_pod, run_daemon  # here: for `-m` alone
+
+    def load() -> None:
+        load_daemon()
+        load_pod()
 
     code = code_identity.own()
-    return run(code, code_identity.name(code, code_identity.place()), run_daemon,
-               load_daemon)
+    return run(code, code_identity.name(code, code_identity.place()), run_daemon, load)
 
 
 def run(code: str, identity: str, serve, load) -> int:
@@ -76,13 +80,14 @@ def run(code: str, identity: str, serve, load) -> int:
         return 0  # another server of this identity lives (or is starting)
     signal.signal(signal.SIGTERM, _stop)
     listener = None
+    spare = Spare()
     try:
         policy = os.sched_getscheduler(0)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # while it loads
         time.sleep(WARM_DELAY)
         set_cmdline(f"containerd-shim-podvm-v2\0forkserver\0{socket_path(identity, where)}\0"
                     .encode(), b"")
-        load()  # what every daemon's first answer needs
+        load()  # what every daemon's first answer needs, and its pod's first Create
         gc.freeze()
         gc.enable()
         # the daemons run as `start` does (failing that, the server goes: never a daemon
@@ -91,11 +96,13 @@ def run(code: str, identity: str, serve, load) -> int:
         if not code_identity.current(code):
             return 0  # changed while it loaded: a newer server will be spawned
         listener = _listen(socket_path(identity, where))
-        _loop(listener, code, serve, _idle_exit())
+        spare.ensure()
+        _loop(listener, code, serve, _idle_exit(), spare)
     except _Stop:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        spare.close()
         for path in (socket_path(identity, where), lock_path(identity, where)):
             try:
                 os.unlink(path)  # under the lock: no other server uses these names now
@@ -177,9 +184,10 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
-def _loop(listener: socket.socket, code: str, serve, idle: float) -> None:
+def _loop(listener: socket.socket, code: str, serve, idle: float, spare: Spare) -> None:
     last = checked = time.monotonic()
     while True:
+        spare.reap()
         now = time.monotonic()
         if now - last >= idle:
             return
@@ -196,11 +204,11 @@ def _loop(listener: socket.socket, code: str, serve, idle: float) -> None:
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
         with conn:
-            _serve_one(conn, serve)
+            _serve_one(conn, serve, spare)
         last = time.monotonic()
 
 
-def _serve_one(conn: socket.socket, serve) -> None:
+def _serve_one(conn: socket.socket, serve, spare: Spare) -> None:
     """One request: a daemon forked, or a refusal sent; never a child left behind."""
     conn.setblocking(True)
     conn.settimeout(REQUEST_WAIT)
@@ -214,7 +222,13 @@ def _serve_one(conn: socket.socket, serve) -> None:
             raise Refused("refused: the request was truncated")
         request = _request(data, fds)
         _same_place(pid)
-        _fork(conn, request, fds, serve)
+        try:
+            _fork(conn, request, fds, serve, spare.fd())
+        finally:
+            for fd in fds:
+                os.close(fd)
+            fds = []
+            spare.handed()  # after: its next is started holding none of the request's
     except Refused as exc:
         _answer(conn, {"error": str(exc)})
     except OSError as exc:  # the peer went away, or a fork failed
@@ -263,7 +277,8 @@ def _same_place(pid: int) -> None:
             raise Refused(f"refused: `start` (pid {pid}) differs from the server in {key}")
 
 
-def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve) -> None:
+def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve,
+          spare_fd: int) -> None:
     """The daemon, a grandchild: its parent exits at once, so that (as a daemon `start`
     forks) it is nobody's child here and the server holds no child."""
     middle = os.fork()
@@ -271,7 +286,8 @@ def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve
         code = 1
         try:
             if os.fork() == 0:
-                forkchild.become_daemon(conn, request, fds[0], fds[1], serve)  # never returns
+                forkchild.become_daemon(conn, request, fds[0], fds[1], serve,
+                                        spare_fd)  # never returns
             code = 0
         except BaseException as exc:
             _answer(conn, {"error": f"the fork server could not fork: {exc}"})

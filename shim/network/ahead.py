@@ -16,15 +16,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    import socket
+
     from .model import PodNetwork, TapNic
     from .remote import Worker
 
 
 class WorkerAhead:
-    def __init__(self) -> None:
+    def __init__(self, spare: socket.socket | None = None) -> None:
         self._worker: Worker | None = None
         """Started for the next attach, or serving it; None before its start and once
         closed."""
+        self._spare = spare
+        """The fork server's spare worker, loaded already (shim/contract/spareworker.py):
+        the first start() takes it; close() ends it unused."""
 
     async def start(self) -> None:
         """Start the worker now, unless there is one: its start overlaps whatever the
@@ -45,6 +50,9 @@ class WorkerAhead:
         worker, self._worker = self._worker, None
         if worker is not None:
             await worker.close()
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()  # the spare sees it and exits having done nothing
 
     async def _started(self) -> Worker:
         if self._worker is not None:
@@ -52,7 +60,8 @@ class WorkerAhead:
         # Here, not at the top: see the module's docstring.
         from .remote import Worker
 
-        worker = await Worker.start()
+        spare, self._spare = self._spare, None
+        worker = Worker.of_spare(spare) if spare is not None else await Worker.start()
         if self._worker is None:
             self._worker = worker
             return worker

@@ -26,8 +26,10 @@ MAX_FDS = 64  # two per interface (tap, vhost-net)
 
 
 class Worker:
-    def __init__(self, proc: asyncio.subprocess.Process, sock: socket.socket) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process | None, sock: socket.socket) -> None:
         self._proc = proc
+        """None: a spare the fork server started (shim/contract/spareworker.py), whose
+        exit the server waits for."""
         self._sock = sock
         """Our end of the worker's socket."""
         self._used = False
@@ -39,7 +41,7 @@ class Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *_argv(theirs), pass_fds=(theirs.fileno(),),
+                *worker_argv(theirs.fileno()), pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE)
         except BaseException:
@@ -48,6 +50,12 @@ class Worker:
         finally:
             theirs.close()
         return cls(proc, ours)
+
+    @classmethod
+    def of_spare(cls, sock: socket.socket) -> Worker:
+        """The fork server's spare, started ahead with its imports done: `sock` is our
+        end of its socket."""
+        return cls(None, sock)
 
     async def attach(self, netns: str, found: Callable[[PodNetwork], None] | None = None
                      ) -> tuple[PodNetwork, tuple[TapNic, ...]]:
@@ -74,7 +82,7 @@ class Worker:
         """Wait for the worker's exit: one that served no request sees our end close and
         exits having done nothing. Idempotent."""
         self._sock.close()
-        if self._stderr is None:
+        if self._stderr is None and self._proc is not None:
             _, self._stderr = await self._proc.communicate()
 
     async def _call(self, op: str, netns: str,
@@ -96,7 +104,8 @@ class Worker:
         data, fds = _receive(self._sock)
         if not data:
             await self.close()
-            raise _no_answer(op, netns, self._proc.returncode, self._stderr or b"")
+            raise _no_answer(op, netns, self._proc.returncode if self._proc else None,
+                             self._stderr or b"")
         return _reply(netns, data, fds)
 
 
@@ -114,7 +123,8 @@ def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
         try:
-            proc = subprocess.Popen(_argv(theirs), pass_fds=(theirs.fileno(),),
+            proc = subprocess.Popen(worker_argv(theirs.fileno()),
+                                    pass_fds=(theirs.fileno(),),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE)
         finally:
@@ -127,8 +137,9 @@ def detach_now(netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
         _reply(netns, data, fds)
 
 
-def _argv(sock: socket.socket) -> list[str]:
-    return [sys.executable, "-m", "shim.network.worker", "--socket", str(sock.fileno())]
+def worker_argv(fd: int) -> list[str]:
+    """The command line of a worker that answers on the inherited socket `fd`."""
+    return [sys.executable, "-m", "shim.network.worker", "--socket", str(fd)]
 
 
 def _request(op: str, netns: str, taps: list[str] | tuple[str, ...]) -> bytes:

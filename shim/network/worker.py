@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--socket", type=int, required=True,
                         help="the inherited AF_UNIX socket to answer on")
+    parser.add_argument("--spare", type=int, metavar="POLICY",
+                        help="started by the fork server at SCHED_IDLE to load: serve "
+                             "under this scheduling policy (a daemon's)")
     args = parser.parse_args(argv)
+    if args.spare is not None:  # loaded: serve as the daemon that will ask would
+        os.sched_setscheduler(0, args.spare, os.sched_param(0))
     sock = socket.socket(fileno=args.socket)
     request = sock.recv(MAX_REQUEST)
     if not request:

@@ -174,8 +174,9 @@ class Pod:
         except BaseException:
             self.resizer.release_cpus()
             raise
-        log.info("sandbox %s: VM ready in %.2fs", self.id, time.monotonic() - started)
         self.vm.machine = machine
+        log.info("sandbox %s: VM ready in %.2fs, of which the guest %.2fs", self.id,
+                 time.monotonic() - started, self.vm.guest_seconds())
         self._spawn(self._watch_vm(machine))
         self._spawn(self._watch_stop(machine))
         self._spawn(machine.time_agent())

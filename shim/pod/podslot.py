@@ -11,17 +11,21 @@ from typing import TYPE_CHECKING
 from ..network.ahead import WorkerAhead
 
 if TYPE_CHECKING:
+    import socket
+
     from .pod import Pod, PodListener
 
 
 class PodSlot:
-    def __init__(self) -> None:
+    def __init__(self, spare_worker: socket.socket | None = None) -> None:
+        """`spare_worker`: the fork server's spare network worker, when it forked the
+        daemon (shim/contract/spareworker.py)."""
         self.pod: Pod | None = None
         self.sandbox_api_owner = ""
         """The Sandbox-API sandbox that owns this shim until its ShutdownSandbox, which
         alone ends the shim ("": none). containerd 2.x deletes the containers' tasks, and
         asks the Task API to shut down, before it stops and shuts down the sandbox."""
-        self.network_worker = WorkerAhead()
+        self.network_worker = WorkerAhead(spare_worker)
         """The pod's network worker: started ahead for the pod to come, which boots with
         it."""
         self._listeners: list[PodListener] = []

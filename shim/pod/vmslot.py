@@ -28,3 +28,10 @@ class VMSlot:
         if self.machine is None or self.machine.agent is None:
             raise NotRunning()
         return self.machine.agent
+
+    def guest_seconds(self) -> float:
+        """How long the host has waited for this VM's guest so far (shim/vm/guestclock.py);
+        0 before the agent is connected."""
+        if self.machine is None or self.machine.agent is None:
+            return 0.0
+        return self.machine.agent.clock.seconds()

@@ -13,6 +13,7 @@ cgroup v2 Metrics, bounded in size; a guest's error message is cut to _MESSAGE_M
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import TYPE_CHECKING, TypeVar
@@ -26,6 +27,7 @@ from podvm_core.pb.containerd.cgroups.v2.metrics_pb2 import Metrics
 from podvm_core.protocol import AGENT_SERVICE
 from podvm_core.ttrpc import Client, Code, ConnectionClosed, TtrpcError
 
+from .guestclock import GuestClock
 from .stdio import Stdio
 
 if TYPE_CHECKING:
@@ -73,6 +75,9 @@ class Agent:
     def __init__(self, client: Client, sandbox_id: str) -> None:
         self._client = client
         self._sandbox_id = sandbox_id
+        self.clock = GuestClock()
+        """How long the host has waited for this guest's answers (the polls and flows
+        not counted)."""
 
     @classmethod
     def of_vm(cls, vm: "VM") -> "Agent":
@@ -88,10 +93,12 @@ class Agent:
         await self._client.close()
 
     async def _call(self, method: str, request: Message, response: type[R],
-                    timeout: float, grace: float = 1.0) -> R:
+                    timeout: float, grace: float = 1.0, timed: bool = True) -> R:
+        """`timed`: the wait is the guest's (the clock's), not a poll's or a flow's."""
         try:
-            return await self._client.call(AGENT_SERVICE, method, request, response,
-                                           timeout=timeout, grace=grace)
+            with self.clock.waiting() if timed else contextlib.nullcontext():
+                return await self._client.call(AGENT_SERVICE, method, request, response,
+                                               timeout=timeout, grace=grace)
         except ConnectionClosed as exc:
             raise TtrpcError(Code.UNAVAILABLE, f"the guest agent of sandbox {self._sandbox_id} "
                                                f"is gone ({exc}): did the VM die?") from None
@@ -109,7 +116,8 @@ class Agent:
         while True:
             started = time.monotonic()
             try:
-                return await self._call(method, request, response, POLL, POLL_GRACE)
+                return await self._call(method, request, response, POLL, POLL_GRACE,
+                                        timed=False)
             except TtrpcError as exc:
                 if exc.code != Code.DEADLINE_EXCEEDED:
                     raise
@@ -207,7 +215,7 @@ class Agent:
     async def write_stdin(self, container_id: str, exec_id: str, data: bytes) -> int:
         return (await self._call("WriteStdin", pb.WriteStreamRequest(
             container_id=container_id, exec_id=exec_id, data=data),
-            pb.WriteStreamResponse, FLOW)).written
+            pb.WriteStreamResponse, FLOW, timed=False)).written
 
     async def close_stdin(self, container_id: str, exec_id: str) -> None:
         await self._call("CloseStdin", pb.CloseStdinRequest(
@@ -231,7 +239,7 @@ class Agent:
 
     async def write_port_forward(self, stream_id: int, data: bytes) -> None:
         await self._call("WritePortForward", pb.WritePortForwardRequest(
-            stream_id=stream_id, data=data), pb.WriteStreamResponse, FLOW)
+            stream_id=stream_id, data=data), pb.WriteStreamResponse, FLOW, timed=False)
 
     async def close_port_forward(self, stream_id: int, write_only: bool = False) -> None:
         await self._call("ClosePortForward", pb.ClosePortForwardRequest(

@@ -21,7 +21,7 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
-from testbed.shimproc import NS, alive, make_bundle, run_shim
+from testbed.shimproc import NS, alive, make_bundle, network_workers, run_shim
 
 TASK = "containerd.task.v2.Task"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -302,3 +302,74 @@ def test_setting_the_command_line_leaves_the_shared_libc_handle_as_it_was() -> N
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert "b'probe\\x00'" in done.stdout
+
+
+def spares(server: int) -> set[int]:
+    """The fork server's spare network workers alive (shim/contract/spareworker.py): the
+    one it keeps, and those it handed to daemons that have not used them yet (they stay
+    its children)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == server and fields[0] != "Z" and \
+                b"\0shim.network.worker\0" in cmdline and b"\0--spare\0" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def network_bundle(tmp_path, group: str) -> pathlib.Path:
+    """A sandbox container's bundle whose spec names the pod's network namespace."""
+    bundle = make_bundle(tmp_path, group, sandbox_id=group)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["linux"]["namespaces"][0]["path"] = "/var/run/netns/podvm-never-used"
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle
+
+
+async def test_each_daemon_gets_a_network_worker_loaded_ahead_and_none_is_left(
+        tmp_path, grpc_address, servers, delete_after) -> None:
+    """The server keeps one network worker started, its imports done at SCHED_IDLE, and
+    hands it to the next daemon it forks: a pod with a network attaches through it without
+    waiting for a worker's imports; a pod without one lets it go at once; the server's
+    exit ends its own."""
+    where, env = servers
+    code = identity.own_name()
+    delete_after.append((start(tmp_path, "sb1", grpc_address, env), env))
+    server = wait_server(where, code)
+    _wait(lambda: len(spares(server)) == 1, "the server started no spare network worker")
+    (first,) = spares(server)
+    # loaded, it serves under the daemons' scheduling policy, not the one it loaded at
+    _wait(lambda: os.sched_getscheduler(first) == os.sched_getscheduler(server),
+          "the spare still runs at SCHED_IDLE")
+
+    bundle = network_bundle(tmp_path, "sb2")
+    result = run_shim(bundle, "sb2", "start", grpc_address, env=env)
+    assert result.returncode == 0, result.stderr
+    delete_after.append((bundle, env))
+    daemon = shim_state("sb2")["pid"]
+    assert shim_state("sb2")["forkserver"] == server
+    assert network_workers(daemon) == [first]  # the daemon holds the loaded one
+    _wait(lambda: spares(server) - {first}, "the server started no next spare")
+    (second,) = spares(server) - {first}
+
+    # a pod with no network of its own: its daemon lets the spare go at once
+    delete_after.append((start(tmp_path, "sb3", grpc_address, env), env))
+    _wait(lambda: not alive(second), "a daemon without a pod network kept its spare")
+
+    async with await Client.connect(result.stdout.decode()) as client:
+        with contextlib.suppress(Exception):  # closed under the answer: success
+            await client.call(TASK, "Shutdown", api.ShutdownRequest(id="sb2"),
+                              api.StateResponse)
+    _wait(lambda: not alive(daemon) and not alive(first),
+          "the daemon's network worker outlived it")
+
+    _wait(lambda: spares(server) - {first, second}, "the server started no next spare")
+    (third,) = spares(server) - {first, second}
+    os.kill(server, signal.SIGTERM)
+    _wait(lambda: not alive(server) and not alive(third),
+          "the server's exit left its spare network worker")
