@@ -18,7 +18,7 @@ from podvm_core.ttrpc import Code, Context, TtrpcError
 
 # resume: loaded at the start, so that it is in every template's memory and no
 # restored guest imports it (under TCG an import on the restore path costs 0.1 s)
-from . import (containers, holder, libc, network, oci, quota, resources, resume, runc,
+from . import (containers, holder, kill, libc, network, oci, quota, resources, resume, runc,
                scratchgrow, volumes, writable)
 from .containers import Container
 from .oom import OOMKills
@@ -184,9 +184,8 @@ class AgentService:
                 elif container.holder:
                     holder.signal(proc, req.signal)
                 else:
-                    args = ["kill", *(["--all"] if req.all else []), req.container_id,
-                            str(req.signal)]
-                    await runc.runc(req.container_id, *args)
+                    await kill.signal_container(req.container_id, proc.pid, req.signal,
+                                                req.all)
             except ProcessLookupError:
                 raise finished(proc.name, proc.state) from None
             except TtrpcError as exc:
@@ -364,7 +363,7 @@ class AgentService:
         log.info("shutdown: stopping %d container(s)", len(self.containers))
         for container_id in list(self.containers):
             try:
-                await runc.runc(container_id, "kill", "--all", container_id, "9")
+                await kill.signal_container(container_id, 0, 9, True)
             except TtrpcError:
                 pass
         os.sync()

@@ -323,14 +323,14 @@ class Pod:
             return  # gone: the exit's watcher says how
         await self.kill_vm(machine, f"QEMU stopped the VM unasked (run state {state})")
 
-    async def kill_vm(self, machine: Machine, reason: str) -> None:
-        """End a VM that stopped answering or running: every process in it reported
-        exited 137, as runc reports a process killed by SIGKILL, then QEMU killed. The
-        pod's stop removes the rest, as after any death of its VM."""
+    async def kill_vm(self, machine: Machine, reason: str, asked: bool = False) -> None:
+        """End a VM that stopped answering or running, or whose sandbox was killed (`asked`):
+        every process in it reported exited 137, as runc reports a process killed by
+        SIGKILL, then QEMU killed. The pod's stop removes the rest, as after any death."""
         if self.vm.machine is not machine or self._death is not None:
             return
-        log.error("sandbox %s: %s: killing its VM, every container exits 137", self.id,
-                  reason)
+        (log.info if asked else log.error)(
+            "sandbox %s: %s: killing its VM, every container exits 137", self.id, reason)
         self._death = asyncio.get_running_loop().create_future()
         self._death.set_result(None)
         self._tell(VMKilled(f"the VM of sandbox {self.id} was killed: {reason}"),

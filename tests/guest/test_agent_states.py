@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from guest.agent import runc
+from guest.agent import kill, runc
 from guest.agent.containers import Container, Process
 from guest.agent.reaper import REAPER
 from guest.agent.service import AgentService
@@ -55,6 +55,13 @@ def agent(monkeypatch) -> tuple[AgentService, Runc]:
     service = AgentService()
     fake = Runc(service)
     monkeypatch.setattr(runc, "runc", fake)
+
+    async def signal_container(container_id: str, pid: int, signum: int, every: bool):
+        """guest/agent/kill.py (tests/guest/test_kill.py), its kill played by the fake."""
+        await fake(container_id, "kill", *(["--all"] if every else []), container_id,
+                   str(signum))
+
+    monkeypatch.setattr(kill, "signal_container", signal_container)
     return service, fake
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -259,12 +260,21 @@ class TaskService:
         NOT_FOUND "process already finished" (the guest says so when the exit is still
         on its way here); `all` to a stopped container still reaches the processes that
         outlived its init. A guest that does not answer in time has its VM killed, and
-        the signal is done (Pod.signal)."""
+        the signal is done (Pod.signal); so has SIGKILL to the pod's sandbox container."""
         proc = self._process(req.id, req.exec_id)
         async with proc.acting("kill_all" if req.all and not req.exec_id else "kill"):
             leftovers = proc.state is STOPPED
+            pod = self._pod()
+            if req.signal == signal.SIGKILL and not req.exec_id and req.id == pod.id and \
+                    pod.vm.machine is not None and not leftovers:
+                # The pod's sandbox container (StopPodSandbox kills it last): the VM is the
+                # sandbox, killed at once with whatever runs in it, each reported exited 137,
+                # rather than a signal through a guest that may be slow (issue 47).
+                await pod.kill_vm(pod.vm.machine, "its sandbox container was killed",
+                                  asked=True)
+                return Empty()
             try:
-                await self._pod().signal(req.id, req.exec_id, req.signal, req.all)
+                await pod.signal(req.id, req.exec_id, req.signal, req.all)
             except (TtrpcError, PodError) as exc:
                 if not leftovers:
                     raise
