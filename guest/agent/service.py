@@ -40,6 +40,8 @@ class AgentService:
         self._network = asyncio.Lock()
         self._forwards: "PortForwards | None" = None
         """Port forwards' connections, made at the first (the module loads then)."""
+        self._forgetting: set[asyncio.Task] = set()
+        """Removed containers' layers being deleted after the answer (RemoveContainer)."""
 
     def _container(self, container_id: str) -> Container:
         container = self.containers.get(container_id)
@@ -266,8 +268,11 @@ class AgentService:
                 proc.close()
             del self.containers[req.container_id]
         layer = time.monotonic()
-        if container.layer_root:  # what the container wrote goes with it
-            await asyncio.to_thread(writable.remove, req.container_id, container.layer_root)
+        if container.layer_root:  # what the container wrote goes with it, after the answer
+            await asyncio.to_thread(writable.unmount, container.layer_root)
+            task = asyncio.ensure_future(asyncio.to_thread(writable.forget, req.container_id))
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
         layer = time.monotonic() - layer
         self.oom_kills.forget(req.container_id)
         import shutil  # only now: every import before the agent serves costs boot time
@@ -278,7 +283,8 @@ class AgentService:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
-        log.info("removed %s (its writable layer in %.3fs)", req.container_id, layer)
+        log.info("removed %s (its root unmounted in %.3fs; its layer goes next)",
+                 req.container_id, layer)
         return Empty()
 
     async def RemoveProcess(self, req: pb.RemoveProcessRequest, ctx: Context) -> Empty:

@@ -116,6 +116,12 @@ def make(container_id: str, lower: str, root: str, limit: int | None = None) -> 
 
 def remove(container_id: str, root: str) -> None:
     """The container's root unmounted and its layer deleted; a no-op for what is gone."""
+    unmount(root)
+    forget(container_id)
+
+
+def unmount(root: str) -> None:
+    """The container's root unmounted (its overlay, over its image's files on the host)."""
     try:
         libc.umount(root)
     except OSError:
@@ -124,6 +130,12 @@ def remove(container_id: str, root: str) -> None:
         os.rmdir(root)
     except OSError:
         pass
+
+
+def forget(container_id: str) -> None:
+    """What the container wrote deleted, and the disk's freed blocks given back: the
+    longest part of a removal (a trim walks the whole file system), which the agent does
+    after it has answered (guest/agent/service.py, RemoveContainer)."""
     _remove_tree(layer_dir(container_id))
     _trim()
 
