@@ -66,6 +66,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("guest/agent/writable.py",
      "shutil"):
         "a container's layer removed, not the guest's boot",
+    ("guest/agent/kill.py",
+     "shutil"):
+        "only when a container goes: the agent boots without it",
     ("guest/agent/resources.py",
      "glob"):
         "hot-plug only: the agent boots without glob and fnmatch",

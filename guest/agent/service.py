@@ -258,7 +258,8 @@ class AgentService:
                     holder.signal(container.init, 9)
                     await container.init.exited.wait()
                 holder.remove_cgroup(req.container_id)
-            else:
+            elif not (container.init.exited.is_set() and
+                      await kill.remove_exited(req.container_id)):
                 try:
                     await runc.runc(req.container_id, "delete", "--force", req.container_id)
                 except TtrpcError as exc:

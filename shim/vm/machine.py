@@ -339,6 +339,22 @@ class Machine:
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
         directory itself (the daemon removes that last). Idempotent."""
+        # the worker that detaches the network starts now: its imports overlap the VM's stop
+        detacher = asyncio.ensure_future(remote.Worker.start()) if self.state.netns else None
+        try:
+            await self._stop_vm()
+        finally:
+            if detacher is not None:
+                await self._detach(await detacher)
+        self.cgroup.destroy()
+        for container_id in list(self.state.rootfs):
+            self.unshare_container(container_id)
+        self.share.destroy()
+        workdir.unbound(self.vm_dir)
+        remove_tree(self.vm_dir)
+        self.record(qemu_pid=0, qemu_start_time=None, qemu_jail_id=None)
+
+    async def _stop_vm(self) -> None:
         if self._port_forwarder is not None:  # before the agent, which carries its bytes
             forwarder, self._port_forwarder = self._port_forwarder, None
             await forwarder.stop()
@@ -356,19 +372,15 @@ class Machine:
         podlogdisk.hide(self._disk_shown)  # the disk's blocks free with its last name
         self._disk_shown = None
         await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
-        if self.state.netns:
-            try:
-                await remote.detach(self.state.netns, self.state.taps)
-                self.record(taps=())
-            except NetworkError as exc:  # the rest still goes; delete tries again
-                log.error("sandbox %s: %s", self.id, exc)
-        self.cgroup.destroy()
-        for container_id in list(self.state.rootfs):
-            self.unshare_container(container_id)
-        self.share.destroy()
-        workdir.unbound(self.vm_dir)
-        remove_tree(self.vm_dir)
-        self.record(qemu_pid=0, qemu_start_time=None, qemu_jail_id=None)
+
+    async def _detach(self, worker: remote.Worker) -> None:
+        try:
+            await worker.detach(self.state.netns, self.state.taps)
+            self.record(taps=())
+        except NetworkError as exc:  # the rest still goes; delete tries again
+            log.error("sandbox %s: %s", self.id, exc)
+        finally:
+            await worker.close()
 
 
 async def _together(*steps: Awaitable[T]) -> list[T]:

@@ -61,7 +61,13 @@ def agent(monkeypatch) -> tuple[AgentService, Runc]:
         await fake(container_id, "kill", *(["--all"] if every else []), container_id,
                    str(signum))
 
+    async def remove_exited(container_id: str) -> bool:
+        """guest/agent/kill.py's removal without runc, played by the fake's delete."""
+        await fake(container_id, "delete", "--force", container_id)
+        return True
+
     monkeypatch.setattr(kill, "signal_container", signal_container)
+    monkeypatch.setattr(kill, "remove_exited", remove_exited)
     return service, fake
 
 

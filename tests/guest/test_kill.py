@@ -57,3 +57,23 @@ async def test_runc_still_does_what_the_cgroup_cannot(ran, tmp_path, monkeypatch
     (tmp_path / "podvm" / CID / "cgroup.kill").symlink_to(tmp_path / "elsewhere")
     await kill.signal_container(CID, 0, signal.SIGKILL, every=True)  # never followed
     assert not (tmp_path / "elsewhere").exists() and len(ran) == 3
+
+
+async def test_an_exited_container_is_removed_as_runc_would(ran, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(kill, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(runc, "ROOT", str(tmp_path / "runc"))
+    cgroup = tmp_path / "cgroup" / "podvm" / CID
+    cgroup.mkdir(parents=True)  # empty: its processes gone
+    (tmp_path / "runc" / CID).mkdir(parents=True)
+    (tmp_path / "runc" / CID / "state.json").write_text("{}")
+    assert await kill.remove_exited(CID)
+    assert not cgroup.exists() and not (tmp_path / "runc" / CID).exists() and ran == []
+
+
+async def test_a_cgroup_that_will_not_go_is_left_to_runc(ran, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(kill, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(runc, "ROOT", str(tmp_path / "runc"))
+    (tmp_path / "cgroup" / "podvm" / CID / "its-own").mkdir(parents=True)
+    (tmp_path / "runc" / CID).mkdir(parents=True)
+    assert not await kill.remove_exited(CID, wait=0.05)
+    assert (tmp_path / "runc" / CID).exists()  # runc's state kept for `runc delete`
