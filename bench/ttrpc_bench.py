@@ -49,7 +49,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from podvm_core.ttrpc import Client, Code, TtrpcError  # noqa: E402
 from shim.contract import forkclient, identity  # noqa: E402
 from shim.host.paths import STATE_ROOT  # noqa: E402
-from testbed.shimproc import SHIM  # noqa: E402
+from testbed.shimproc import SHIM, SPARE, WORKER, processes  # noqa: E402
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -164,7 +164,7 @@ def measure(args, shims: dict, root: pathlib.Path, grpc: str, env: dict, servers
     time.sleep(1.0)
     memory = {label: memory_mb(k[0].pid) for label, k in kept.items()}
     memory["fork server"] = memory_mb(server)
-    for pid in _spares(server):  # its network worker kept loaded for the next pod
+    for pid, _ in processes(WORKER, SPARE, parent=server):  # kept loaded for the next pod
         memory["its spare network worker"] = memory_mb(pid)
     podvm, podvm_bundle, podvm_log = kept["podvm"]
     figures = asyncio.run(round_trips(podvm.address, args.calls))
@@ -190,22 +190,6 @@ def measure(args, shims: dict, root: pathlib.Path, grpc: str, env: dict, servers
     for label, (f, bundle, log) in kept.items():
         end(label, f, bundle, log)
     return figures
-
-
-def _spares(server: int) -> list[int]:
-    """The fork server's spare network workers (shim/contract/spareworker.py)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                spare = b"\0--spare\0" in f.read()
-        except (OSError, ValueError):
-            continue
-        if parent == server and spare:
-            found.append(int(entry))
-    return found
 
 
 def _medians(runs: list[Start]) -> dict:

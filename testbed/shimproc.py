@@ -72,9 +72,15 @@ async def wait_gone(pid: int, timeout: float = 5) -> None:
     assert not alive(pid), f"shim daemon {pid} still running"
 
 
-def network_workers(daemon_pid: int) -> list[int]:
-    """The daemon's network workers: its children that are, and the fork server's spare
-    it was handed (shim/contract/spareworker.py), whose socket's peer the daemon holds."""
+WORKER = b"\0shim.network.worker\0"
+SPARE = b"\0--spare\0"
+"""Command-line marks of a network worker, and of a fork server's spare one
+(shim/contract/spareworker.py)."""
+
+
+def processes(*marks: bytes, parent: int | None = None) -> list[tuple[int, int]]:
+    """(pid, parent pid) of each live process (no zombie) whose command line holds every
+    one of `marks`, only the children of `parent` where it is given."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -82,12 +88,19 @@ def network_workers(daemon_pid: int) -> list[int]:
             cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"shim.network.worker" not in cmdline:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid or \
-                b"\0--spare\0" in cmdline and _peers(int(entry)) & _sockets(daemon_pid):
-            found.append(int(entry))
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z" and all(m in cmdline for m in marks) and \
+                parent in (None, int(ppid)):
+            found.append((int(entry), int(ppid)))
     return found
+
+
+def network_workers(daemon_pid: int) -> list[int]:
+    """The daemon's network workers: its children that are, and the fork server's spare
+    it was handed, whose socket's peer the daemon holds."""
+    return [pid for pid, parent in processes(WORKER) if parent == daemon_pid or
+            pid in {p for p, _ in processes(WORKER, SPARE)} and
+            _peers(pid) & _sockets(daemon_pid)]
 
 
 def _sockets(pid: int) -> set[int]:

@@ -21,7 +21,8 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
-from testbed.shimproc import NS, alive, make_bundle, network_workers, run_shim
+from testbed.shimproc import (NS, SPARE, WORKER, alive, make_bundle, network_workers,
+                              processes, run_shim)
 
 TASK = "containerd.task.v2.Task"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -308,18 +309,7 @@ def spares(server: int) -> set[int]:
     """The fork server's spare network workers alive (shim/contract/spareworker.py): the
     one it keeps, and those it handed to daemons that have not used them yet (they stay
     its children)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == server and fields[0] != "Z" and \
-                b"\0shim.network.worker\0" in cmdline and b"\0--spare\0" in cmdline:
-            found.add(int(entry))
-    return found
+    return {pid for pid, _ in processes(WORKER, SPARE, parent=server)}
 
 
 def network_bundle(tmp_path, group: str) -> pathlib.Path:
