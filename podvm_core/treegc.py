@@ -113,6 +113,9 @@ def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
     # SIGTERM first (it removes its socket); SIGKILL for one that has not gone within
     # half the wait: a server loads at SCHED_IDLE, and on a busy node its handler may not
     # run for long. It holds no pod; a socket it leaves is replaced by the next `start`.
+    # A spare worker is waited for no more than its server: unused, it ends with it, and
+    # one still loading at SCHED_IDLE may not be scheduled to die for long.
+    servers = {pid for pid in pids if _fork_server_itself(pid)}
     for signum, share in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0.5)):
         for pid in pids:
             try:
@@ -120,7 +123,7 @@ def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait * share
-        while any(alive(pid) for pid in pids):
+        while any(alive(pid) for pid in servers):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -161,6 +164,14 @@ def _only_our_children_use(host: str) -> bool:
         if parent != me and not _fork_server(pid):
             return False
     return bool(pids)
+
+
+def _fork_server_itself(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(FORK_SERVER)
+    except OSError:
+        return False
 
 
 def _fork_server(pid: int) -> bool:

@@ -25,7 +25,7 @@ import time
 from podvm_core import trees
 
 from . import forkchild, identity as code_identity
-from .spareworker import Spare
+from .spareworker import DELAY as SPARE_DELAY, Spare
 from .flags import Flags
 from .forkclient import MAX_MESSAGE, directory, lock_path, peer, socket_path
 from .proctitle import set_cmdline
@@ -197,6 +197,11 @@ def _loop(listener: socket.socket, code: str, serve, idle: float, spare: Spare) 
                 return
             checked = now
         wait = min(idle - (now - last), CHECK_EVERY - (now - checked))
+        if spare.missing():
+            if now - last >= SPARE_DELAY:
+                spare.ensure()
+            else:
+                wait = min(wait, SPARE_DELAY - (now - last))
         if not select.select([listener], [], [], max(0.0, wait))[0]:
             continue
         try:

@@ -1,6 +1,7 @@
 """The fork server's spare network worker: one `python -m shim.network.worker` started
-before any pod needs it, its imports (pyroute2's 0.15-0.25 s) done at SCHED_IDLE, and
-handed to the next daemon the server forks, which attaches its pod's network through it
+before any pod needs it, once the server has been idle a moment after its last fork (its
+imports, pyroute2's 0.15-0.25 s, then take no CPU from the pod just started), and handed
+to the next daemon the server forks, which attaches its pod's network through it
 (shim/network/ahead.py). Without it the daemon starts its worker as it comes up, and a
 pod's boot waits at the attach for that worker's imports: the longest step of the host's
 share of a pod's start once the daemon's own imports are done ahead (issue 47,
@@ -18,8 +19,10 @@ import subprocess
 
 from ..network.remote import worker_argv
 
-EXIT_WAIT = 2.0
-"""Seconds the server waits for its unused spare to exit before it kills it."""
+EXIT_WAIT = 0.5
+"""Seconds the server waits for its killed spare to exit; past them init reaps it."""
+DELAY = 1.0
+"""Seconds the server waits after a fork before it starts the next spare."""
 
 
 class Spare:
@@ -36,19 +39,16 @@ class Spare:
         if self._sock is not None:
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        policy = os.sched_getscheduler(0)
         try:
-            # it inherits SCHED_IDLE to load, and none of the server's descriptors but
-            # its socket (close_fds: a request's, received inheritable, would stay open)
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            try:
-                self._proc = subprocess.Popen(
-                    worker_argv(theirs.fileno()) + ["--spare", str(policy)],
-                    pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL)
-            finally:
-                os.sched_setscheduler(0, policy, os.sched_param(0))
+            # None of the server's descriptors but its socket (close_fds: a request's,
+            # received inheritable, would stay open). At the daemons' own policy: a spare
+            # loading at SCHED_IDLE on a busy node was not scheduled for long, not even
+            # to die when its tree was collected.
+            self._proc = subprocess.Popen(
+                worker_argv(theirs.fileno()) + ["--spare", str(os.sched_getscheduler(0))],
+                pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError):
             ours.close()
             return
@@ -60,28 +60,31 @@ class Spare:
         """The spare's socket, for the daemon about to be forked; -1 when there is none."""
         return self._sock.fileno() if self._sock is not None else -1
 
+    def missing(self) -> bool:
+        """No spare is kept: the server starts one when it has been idle for DELAY."""
+        return self._sock is None
+
     def handed(self) -> None:
         """The daemon just forked has the spare (or failed and dropped it): the server
-        lets its copy go and starts the next."""
+        lets its copy go; the next is started once the server is idle (ensure)."""
         if self._sock is not None and self._proc is not None:
             self._sock.close()
             self._sock = None
             self._handed.append(self._proc)
         self.reap()
-        self.ensure()
 
     def reap(self) -> None:
         """The spares handed on that have exited, waited for."""
         self._handed = [proc for proc in self._handed if proc.poll() is None]
 
     def close(self) -> None:
-        """The server's exit: its spare ended unused, and waited for."""
+        """The server's exit: its spare, unused, killed, and waited for a moment."""
         if self._sock is not None and self._proc is not None:
             self._sock.close()
             self._sock = None
+            self._proc.kill()
             try:
                 self._proc.wait(EXIT_WAIT)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                pass
         self.reap()
