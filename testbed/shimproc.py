@@ -98,9 +98,9 @@ def processes(*marks: bytes, parent: int | None = None) -> list[tuple[int, int]]
 def network_workers(daemon_pid: int) -> list[int]:
     """The daemon's network workers: its children that are, and the fork server's spare
     it was handed, whose socket's peer the daemon holds."""
+    spares = {pid for pid, _ in processes(WORKER, SPARE)}
     return [pid for pid, parent in processes(WORKER) if parent == daemon_pid or
-            pid in {p for p, _ in processes(WORKER, SPARE)} and
-            _peers(pid) & _sockets(daemon_pid)]
+            pid in spares and _peers(pid) & _sockets(daemon_pid)]
 
 
 def _sockets(pid: int) -> set[int]:
