@@ -352,7 +352,8 @@ async def bench(args: argparse.Namespace, cpus: int, manager: cgroups.CgroupMana
             neighbours = ", ".join(f"{n} {v:.2f}" for n, v in r["neighbours"].items())
             print(f"{setting} #{rep + 1}: CPU recv/req {r['cpu_host']:.2f}, wake p99.9 "
                   f"{r['wake_p999_us']:.0f} µs ({r['wake_samples']} samples), HTTP "
-                  f"{r['http_rate']:.1f} req/s p99 {r['http_p99_ms']:.1f} ms; neighbours "
+                  f"{r['http_rate']:.1f} req/s p99 {r['http_p99_ms']:.1f} ms "
+                  f"({r['http_timeouts']} timed out); neighbours "
                   f"recv/req {neighbours or '-'}; {time.monotonic() - started:.0f} s, "
                   f"load {r['load']}", flush=True)
     add_guest_ratio(results)

@@ -53,6 +53,49 @@ def test_neighbours_request_the_rest_of_the_host_and_overcommit_it(cpus, request
     assert burstable.cpu("shares") == (burstable.request, None)
 
 
+def test_a_stalled_http_request_is_a_figure_and_not_the_end_of_the_run() -> None:
+    """The client (run here on loopback, not in a pod's namespace) meets a server that
+    holds its sixth connection unanswered: that request counts as timed out at the time it
+    cost, and the run goes on (CI's busy node stalled one and the whole bench failed)."""
+    import socket
+    import threading
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        count = 0
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            count += 1
+            if count == 6:  # after the first and three warm-up requests, one measured
+                held.append(conn)
+                continue
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + vm_workloads.PAGE.encode())
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        done = subprocess.run([sys.executable, "-c", vm_workloads.CLIENT, "127.0.0.1",
+                               str(port), "1.5", vm_workloads.PAGE, "0.4"],
+                              capture_output=True, timeout=60)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    got = vm_workloads.http_figures(done.stdout)
+    assert got["http_timeouts"] == 1 and got["http_requests"] >= 1
+    late = sorted(json.loads(done.stdout)["latency"])
+    assert late[-1] >= 0.4
+    with pytest.raises(RuntimeError, match="completed no request \\(2 timed out\\)"):
+        vm_workloads.http_figures(json.dumps({"wall": 1, "latency": [10, 10], "timeouts": 2}))
+
+
 def test_a_target_that_leaves_no_cpu_for_neighbours_does_not_fit() -> None:
     with pytest.raises(DoesNotFit, match="requests 2 CPU.* of the host's 2: it needs at "
                                          "least 3, 2 for the target and 1 for its neighb"):
