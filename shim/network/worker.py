@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 
+from ..libc import die_with_parent
 from .attach import attach
 from .detach import detach
 from .errors import NamespaceGone, NetworkError
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.spare is not None:  # loaded: serve as the daemon that will ask would
         os.sched_setscheduler(0, args.spare, os.sched_param(0))
+    else:
+        # Its work is its parent's (a daemon's, a `delete`'s): it ends with it. Not a
+        # spare: the fork server that started it may go while a daemon uses it.
+        die_with_parent()
     sock = socket.socket(fileno=args.socket)
     request = sock.recv(MAX_REQUEST)
     if not request:

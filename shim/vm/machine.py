@@ -376,7 +376,11 @@ class Machine:
     async def _detach(self, worker: remote.Worker) -> None:
         try:
             await worker.detach(self.state.netns, self.state.taps)
-            self.record(taps=())
+            # Detached: the daemon's last cleanup (shim/host/cleanup.py) starts no worker
+            # to do it again. It did, on every pod's way out, and the `delete` containerd
+            # runs as the daemon goes killed the daemon under it: the orphan kept using
+            # the install tree while the last collector of an uninstalled tree looked.
+            self.record(netns="", taps=())
         except NetworkError as exc:  # the rest still goes; delete tries again
             log.error("sandbox %s: %s", self.id, exc)
         finally:

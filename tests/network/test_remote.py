@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -161,3 +162,48 @@ async def test_detach_without_a_loop_for_delete(pod: Namespace) -> None:
     remote.detach_now(pod.path, ["tap0_podvm"])
     assert_nothing_of_podvm(pod)
     remote.detach_now(pod.path, ["tap0_podvm"])
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_worker_ends_with_the_process_that_started_it_unless_a_spare(spare: bool) -> None:
+    """`delete` kills a daemon that is still on its way out: a worker it had started (its
+    request sent, its socket still open elsewhere) must not outlive it, using the install
+    tree when the last collector of an uninstalled tree looks. The fork server's spare is
+    another's to use once handed on: it stays when the server goes."""
+    import signal
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    argv = remote.worker_argv(theirs.fileno()) + (["--spare", "0"] if spare else [])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"w = subprocess.Popen({argv!r}, pass_fds=({theirs.fileno()},))\n"
+         "print(w.pid, flush=True)\ntime.sleep(600)"],
+        pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        time.sleep(1)  # its imports done, waiting on a socket whose ends are all open
+        assert alive(worker)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(worker) == spare
+    finally:
+        parent.kill()
+        parent.wait()
+        ours.close()
+        theirs.close()
+    deadline = time.monotonic() + 10  # the spare sees its socket close and exits
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
