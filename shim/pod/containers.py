@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import signal as signals
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from podvm_core.ttrpc import TtrpcError
@@ -39,6 +40,8 @@ class Containers:
         self._pod_id = pod_id
         self._vm = vm
         self._config = config
+        self._removals: set[asyncio.Task] = set()
+        """Removals in the guest under way (remove_later)."""
 
     # --- adding and removing ------------------------------------------------------------
 
@@ -103,6 +106,39 @@ class Containers:
                 log.warning("container %s: removal in the guest: %s", container_id,
                             exc.message)
         machine.unshare_container(container_id)
+
+    def remove_later(self, container_id: str, then: Callable[[], Awaitable[None]]) -> None:
+        """remove(), then `then()`, carried on after the caller has answered: a workload
+        container's exit is known on the host already, and containerd's Delete need not
+        wait for a guest among many loaded ones (twenty pods removed at once waited about
+        10 s for each Delete, past containerd's deadline). Its files stay shared until the
+        guest has let go of them (the rootfs this shim mounted is in the pod's mount
+        namespace only: containerd removes the bundle meanwhile). What fails is logged."""
+        self.placed.discard(container_id)
+
+        async def removal() -> None:
+            try:
+                await self.remove(container_id)
+                await then()
+            except Exception as exc:  # nobody waits for it: said here
+                log.warning("container %s: removal: %s", container_id, exc)
+
+        task = asyncio.ensure_future(removal())
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def removed(self) -> None:
+        """Until the removals under way are done: the next container's plan and the
+        guest's table do not count the ones containerd has deleted."""
+        await asyncio.gather(*self._removals, return_exceptions=True)
+
+    async def drop_removals(self) -> None:
+        """The removals under way stopped: the VM stops, and its shutdown unshares every
+        container's files (before it, so that none is recorded after the pod's state has
+        gone)."""
+        for task in list(self._removals):
+            task.cancel()
+        await self.removed()
 
     async def kill_all(self, agent: Agent, grace: float) -> None:
         """SIGKILL to every placed container at once, and their exits reported by

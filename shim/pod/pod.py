@@ -1,13 +1,9 @@
-"""One pod, whichever API made it: the Machine it owns while the VM runs
-(shim/vm/machine.py: QEMU, the agent, the sandbox cgroup, the shared directory, the taps),
-held in its VMSlot (shim/pod/vmslot.py) for its parts to find; its Resizer, with its
-planning inputs, the exclusive CPUs it holds and every change of the plan in force, each
-one step: re-plan with the pure model, apply on the host, follow in the guest, commit, or
-put back the plan in force (shim/pod/resize.py); and its Containers, the table of what
-runs in the guest and the calls on their processes (shim/pod/containers.py). The Pod
-decides the plan around each container it adds or removes. The VM's exit and OOM kills
-are told to listeners, so the Pod never calls into an API service; what it refuses or
-cannot do it raises as typed errors (shim/pod/errors.py)."""
+"""One pod, whichever API made it: the Machine it owns while the VM runs (shim/vm/machine.py),
+held in its VMSlot (shim/pod/vmslot.py) for its parts to find; its Resizer, each change of
+the plan one step (shim/pod/resize.py); its Containers, the table of what runs in the guest
+(shim/pod/containers.py). The Pod decides the plan around each container it adds or
+removes. The VM's exit and OOM kills are told to listeners, so the Pod never calls into an
+API service; what it refuses or cannot do it raises as typed errors (shim/pod/errors.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -199,6 +195,7 @@ class Pod:
             await self._died(machine)
         elif grace > 0 and machine.agent is not None and self.containers.placed:
             await self.containers.kill_all(machine.agent, grace)
+        await self.containers.drop_removals()
         self.vm.machine = None
         log.info("sandbox %s: stopping the VM", self.id)
         await machine.shutdown()
@@ -218,6 +215,7 @@ class Pod:
         pod's), share its files, create it in the guest. All or nothing. `owns_vm`: the
         container whose Create booted the VM; `pod_holder`: the container holds the
         pod's namespaces in the guest (a CRI sandbox container)."""
+        await self.containers.removed()  # the ones containerd deleted count no more
         assert self.vm.machine is not None
         refuse_host_propagation(container_id, spec)
         if not owns_vm:
@@ -243,10 +241,14 @@ class Pod:
             raise
 
     async def remove_container(self, container_id: str, owns_vm: bool) -> None:
-        """Remove it from the guest and the host; removing the container that booted the
-        VM stops the pod."""
+        """Remove it from the guest and the host, a workload container's after the caller
+        has answered (Containers.remove_later); removing the container that booted the VM
+        stops the pod."""
+        if not owns_vm:
+            return self.containers.remove_later(
+                container_id, lambda: self.resizer.apply(container_id, None, quiet=True))
         await self.containers.remove(container_id)
-        await self._let_go(container_id, owns_vm)
+        await self.stop()
 
     async def _let_go(self, container_id: str, owns_vm: bool) -> None:
         """A container gone, or not added after all: the pod stopped if it booted the
@@ -365,8 +367,7 @@ class Pod:
         else:
             if size is None:
                 return info
-            vcpus, memory = size
-            info["vm"] = json.dumps({"vcpus": vcpus, "memory_mib": memory})
+            info["vm"] = json.dumps({"vcpus": size[0], "memory_mib": size[1]})
         if machine.agent is not None:
             try:
                 guest = await machine.agent.ping(timeout=5)
@@ -386,8 +387,7 @@ class Pod:
     # --- the pod's own namespaces (Sandbox API) -------------------------------------------
 
     async def hold_namespaces(self) -> int:
-        """A guest process holds the pod's namespaces, with its hostname and sysctls; its
-        pid in the guest."""
+        """A guest process holds the pod's namespaces, hostname and sysctls: its pid."""
         return await self.vm.agent().create_pod_namespaces(self.hostname, self.sysctls)
 
     async def ping(self, timeout: float) -> None:
