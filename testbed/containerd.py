@@ -87,6 +87,12 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
 # Managed binaries (none here): keep containerd from making /opt/containerd.
 [plugins."io.containerd.internal.v1.opt"]
   path = "{self.root / 'opt'}"
+
+# No NRI: containerd 2.x turns it on and leaves /var/run/nri/nri.sock behind (1.6 has
+# no such plugin and ignores the section).
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+  socket_path = "{self.state / 'nri.sock'}"
 """
         if self.cri:
             text += self._cri_config() + "\n" + podvm_runtime_section(self.podvm_config)
