@@ -108,17 +108,24 @@ class Containers:
         machine.unshare_container(container_id)
 
     def remove_later(self, container_id: str, then: Callable[[], Awaitable[None]]) -> None:
-        """remove(), then `then()`, carried on after the caller has answered: a workload
-        container's exit is known on the host already, and containerd's Delete need not
-        wait for a guest among many loaded ones (twenty pods removed at once waited about
-        10 s for each Delete, past containerd's deadline). Its files stay shared until the
-        guest has let go of them (the rootfs this shim mounted is in the pod's mount
-        namespace only: containerd removes the bundle meanwhile). What fails is logged."""
+        """Its files unshared now, its removal in the guest and `then()` after the caller
+        has answered: a workload container's exit is known on the host already, and
+        containerd's Delete need not wait for a guest among many loaded ones (twenty pods
+        removed at once waited about 10 s for each Delete, past containerd's deadline).
+        The host's part comes first, so that the `delete` containerd runs next finds
+        nothing of it mounted; the guest keeps what it holds of the files until it lets
+        go (the mounts are detached lazily). What fails in the guest is logged."""
         self.placed.discard(container_id)
+        machine = self._vm.machine
 
         async def removal() -> None:
             try:
-                await self.remove(container_id)
+                if machine is not None and machine.agent is not None:
+                    try:
+                        await machine.agent.remove(container_id)
+                    except TtrpcError as exc:
+                        log.warning("container %s: removal in the guest: %s", container_id,
+                                    exc.message)
                 await then()
             except Exception as exc:  # nobody waits for it: said here
                 log.warning("container %s: removal: %s", container_id, exc)
@@ -126,6 +133,8 @@ class Containers:
         task = asyncio.ensure_future(removal())
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
+        if machine is not None:
+            machine.unshare_container(container_id)
 
     async def removed(self) -> None:
         """Until the removals under way are done: the next container's plan and the
@@ -133,9 +142,8 @@ class Containers:
         await asyncio.gather(*self._removals, return_exceptions=True)
 
     async def drop_removals(self) -> None:
-        """The removals under way stopped: the VM stops, and its shutdown unshares every
-        container's files (before it, so that none is recorded after the pod's state has
-        gone)."""
+        """The removals under way stopped: the VM stops (before it, so that no re-plan
+        follows the pod's stop)."""
         for task in list(self._removals):
             task.cancel()
         await self.removed()
