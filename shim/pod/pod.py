@@ -241,9 +241,9 @@ class Pod:
             raise
 
     async def remove_container(self, container_id: str, owns_vm: bool) -> None:
-        """Remove it from the guest and the host, a workload container's after the caller
-        has answered (Containers.remove_later); removing the container that booted the VM
-        stops the pod."""
+        """Remove it from the host and the guest, a workload container's guest part after
+        the caller has answered (Containers.remove_later); removing the container that
+        booted the VM stops the pod."""
         if not owns_vm:
             return self.containers.remove_later(
                 container_id, lambda: self.resizer.apply(container_id, None, quiet=True))
