@@ -103,19 +103,14 @@ def _server_part(cmdline: bytes) -> bool:
 def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
     """Whether nothing uses a tree whose users are `pids`: none, or only fork servers
     (and their spare workers), stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not _server_part(f.read()):
-                    return False
-        except OSError:
-            continue  # gone
+    cmdlines = {pid: _cmdline(pid) for pid in pids}
+    if not all(_server_part(c) for c in cmdlines.values() if c is not None):  # None: gone
+        return False
     # SIGTERM first (it removes its socket); SIGKILL for one that has not gone within
     # half the wait: a server loads at SCHED_IDLE, and on a busy node its handler may not
     # run for long. It holds no pod; a socket it leaves is replaced by the next `start`.
-    # A spare worker is waited for no more than its server: unused, it ends with it, and
-    # one still loading at SCHED_IDLE may not be scheduled to die for long.
-    servers = {pid for pid in pids if _fork_server_itself(pid)}
+    # A spare worker is waited for no more than its server: unused, it ends with it.
+    servers = {pid for pid, c in cmdlines.items() if (c or b"").startswith(FORK_SERVER)}
     for signum, share in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0.5)):
         for pid in pids:
             try:
@@ -161,25 +156,18 @@ def _only_our_children_use(host: str) -> bool:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        if parent != me and not _fork_server(pid):
+        if parent != me and not _server_part(_cmdline(pid) or b""):
             return False
     return bool(pids)
 
 
-def _fork_server_itself(pid: int) -> bool:
+def _cmdline(pid: int) -> bytes | None:
+    """The process's command line; None when it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(FORK_SERVER)
+            return f.read()
     except OSError:
-        return False
-
-
-def _fork_server(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return _server_part(f.read())
-    except OSError:
-        return False
+        return None
 
 
 def lock(host: str = "") -> int | None:
