@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..host.mounts import Mount
     from ..vm.agent import Agent
+    from ..vm.machine import Machine
     from .vmslot import VMSlot
 
 log = logging.getLogger("podvm.pod")
@@ -99,12 +100,7 @@ class Containers:
         machine = self._vm.machine
         if machine is None:
             return
-        if machine.agent is not None:
-            try:
-                await machine.agent.remove(container_id)
-            except TtrpcError as exc:
-                log.warning("container %s: removal in the guest: %s", container_id,
-                            exc.message)
+        await _remove_in_guest(machine, container_id)
         machine.unshare_container(container_id)
 
     def remove_later(self, container_id: str, then: Callable[[], Awaitable[None]]) -> None:
@@ -120,12 +116,8 @@ class Containers:
 
         async def removal() -> None:
             try:
-                if machine is not None and machine.agent is not None:
-                    try:
-                        await machine.agent.remove(container_id)
-                    except TtrpcError as exc:
-                        log.warning("container %s: removal in the guest: %s", container_id,
-                                    exc.message)
+                if machine is not None:
+                    await _remove_in_guest(machine, container_id)
                 await then()
             except Exception as exc:  # nobody waits for it: said here
                 log.warning("container %s: removal: %s", container_id, exc)
@@ -226,3 +218,13 @@ class Containers:
     async def forget_exec(self, container_id: str, exec_id: str) -> None:
         """The guest forgets an exec and closes the stdio it holds."""
         await self._vm.agent().remove_process(container_id, exec_id)
+
+
+async def _remove_in_guest(machine: Machine, container_id: str) -> None:
+    """The agent's RemoveContainer, when the VM has an agent; a failure is logged (the
+    host's part goes on)."""
+    if machine.agent is not None:
+        try:
+            await machine.agent.remove(container_id)
+        except TtrpcError as exc:
+            log.warning("container %s: removal in the guest: %s", container_id, exc.message)
