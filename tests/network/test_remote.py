@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from shim.network import remote
 from shim.network.ahead import WorkerAhead
 from shim.network.errors import NamespaceGone, NetworkError
 from shim.network.read import read_network
+from testbed.shimproc import alive
 from tests.network.conftest import POD_MAC, Namespace
 from tests.network.test_attach import assert_nothing_of_podvm
 
@@ -170,9 +173,6 @@ def test_a_worker_ends_with_the_process_that_started_it_unless_a_spare(spare: bo
     request sent, its socket still open elsewhere) must not outlive it, using the install
     tree when the last collector of an uninstalled tree looks. The fork server's spare is
     another's to use once handed on: it stays when the server goes."""
-    import signal
-    import socket
-
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     argv = remote.worker_argv(theirs.fileno()) + (["--spare", "0"] if spare else [])
     parent = subprocess.Popen(
@@ -200,10 +200,3 @@ def test_a_worker_ends_with_the_process_that_started_it_unless_a_spare(spare: bo
         time.sleep(0.05)
     assert not alive(worker)
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
