@@ -49,7 +49,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api  # noqa: E402
 from podvm_core.ttrpc import Client, Code, TtrpcError  # noqa: E402
 from shim.contract import forkclient, identity  # noqa: E402
 from shim.host.paths import STATE_ROOT  # noqa: E402
-from testbed.shimproc import SHIM, SPARE, WORKER, processes  # noqa: E402
+from testbed.shimproc import PARENT, SHIM, WORKER, processes  # noqa: E402
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -164,8 +164,8 @@ def measure(args, shims: dict, root: pathlib.Path, grpc: str, env: dict, servers
     time.sleep(1.0)
     memory = {label: memory_mb(k[0].pid) for label, k in kept.items()}
     memory["fork server"] = memory_mb(server)
-    for pid, _ in processes(WORKER, SPARE, parent=server):  # kept loaded for the next pod
-        memory["its spare network worker"] = memory_mb(pid)
+    for pid, _ in processes(WORKER, PARENT, parent=server):  # forks the pods' workers
+        memory["its worker parent"] = memory_mb(pid)
     podvm, podvm_bundle, podvm_log = kept["podvm"]
     figures = asyncio.run(round_trips(podvm.address, args.calls))
     logged = podvm_log.written()

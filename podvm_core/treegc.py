@@ -89,27 +89,27 @@ def collect(host: str = "", keep_current: bool = True, exclude: int = 0) -> list
 FORK_SERVER = b"containerd-shim-podvm-v2\0forkserver\0"
 """The command line's start of a shim's fork server (shim/contract/forkserver.py): a warm
 parent the daemons fork from, which uses its tree but serves no pod."""
-SPARE_WORKER = (b"\0shim.network.worker\0", b"\0--spare\0")
-"""What the command line of a fork server's spare network worker holds
-(shim/contract/spareworker.py): the server's part until a daemon takes it, and then that
-daemon's (whose own use of the tree keeps it)."""
+WORKER_PARENT = (b"\0shim.network.worker\0", b"\0--parent\0")
+"""What the command line of a fork server's worker parent holds, and of each network
+worker it forks (shim/contract/workerparent.py): the server's part, as a forked worker
+serves a daemon whose own use of the tree keeps it."""
 
 
 def _server_part(cmdline: bytes) -> bool:
-    """A fork server, or its spare network worker."""
-    return cmdline.startswith(FORK_SERVER) or all(m in cmdline for m in SPARE_WORKER)
+    """A fork server, its worker parent, or a worker that parent forked."""
+    return cmdline.startswith(FORK_SERVER) or all(m in cmdline for m in WORKER_PARENT)
 
 
 def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
     """Whether nothing uses a tree whose users are `pids`: none, or only fork servers
-    (and their spare workers), stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
+    (and their worker parents), stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
     cmdlines = {pid: _cmdline(pid) for pid in pids}
     if not all(_server_part(c) for c in cmdlines.values() if c is not None):  # None: gone
         return False
     # SIGTERM first (it removes its socket); SIGKILL for one that has not gone within
     # half the wait: a server loads at SCHED_IDLE, and on a busy node its handler may not
     # run for long. It holds no pod; a socket it leaves is replaced by the next `start`.
-    # A spare worker is waited for no more than its server: unused, it ends with it.
+    # A worker parent is waited for no more than its server, which kills it.
     servers = {pid for pid, c in cmdlines.items() if (c or b"").startswith(FORK_SERVER)}
     for signum, share in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 0.5)):
         for pid in pids:

@@ -73,9 +73,9 @@ async def wait_gone(pid: int, timeout: float = 5) -> None:
 
 
 WORKER = b"\0shim.network.worker\0"
-SPARE = b"\0--spare\0"
-"""Command-line marks of a network worker, and of a fork server's spare one
-(shim/contract/spareworker.py)."""
+PARENT = b"\0--parent\0"
+"""Command-line marks of a network worker, and of a fork server's worker parent and the
+workers it forks, which have its command line (shim/contract/workerparent.py)."""
 
 
 def processes(*marks: bytes, parent: int | None = None) -> list[tuple[int, int]]:
@@ -96,11 +96,13 @@ def processes(*marks: bytes, parent: int | None = None) -> list[tuple[int, int]]
 
 
 def network_workers(daemon_pid: int) -> list[int]:
-    """The daemon's network workers: its children that are, and the fork server's spare
-    it was handed, whose socket's peer the daemon holds."""
-    spares = {pid for pid, _ in processes(WORKER, SPARE)}
+    """The daemon's network workers: its children that are, and those a fork server's
+    worker parent forked for it, whose socket's peer the daemon holds (not the parent's
+    own, which every daemon of the server holds the peer of)."""
+    family = dict(processes(WORKER, PARENT))
+    forked = {pid for pid, parent in family.items() if parent in family}
     return [pid for pid, parent in processes(WORKER) if parent == daemon_pid or
-            pid in spares and _peers(pid) & _sockets(daemon_pid)]
+            pid in forked and _peers(pid) & _sockets(daemon_pid)]
 
 
 def _sockets(pid: int) -> set[int]:

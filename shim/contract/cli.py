@@ -60,12 +60,12 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def run_daemon(flags: Flags, sock=None, spare_worker=None) -> int:
+def run_daemon(flags: Flags, sock=None, worker_parent=None) -> int:
     """Serve as the pod's daemon: on the listening socket `sock` (`start` forks the daemon
-    with the one it bound), else on fd 3; `spare_worker`: the fork server's spare network
-    worker (shim/contract/spareworker.py)."""
+    with the one it bound), else on fd 3; `worker_parent`: the socket of the fork server's
+    worker parent (shim/contract/workerparent.py)."""
     gc.disable()  # until it serves, as above
-    return load_daemon()(flags, sock, spare_worker)
+    return load_daemon()(flags, sock, worker_parent)
 
 
 def load_daemon():

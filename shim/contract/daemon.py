@@ -35,9 +35,10 @@ its Shutdown or ShutdownSandbox is read as an answer (podvm_core/ttrpc/server.py
 
 
 def serve(flags: Flags, sock: socket.socket | None = None,
-          spare_worker: socket.socket | None = None) -> int:
+          worker_parent: socket.socket | None = None) -> int:
     """Serve on `sock` (`start` forks the daemon with the socket it bound), else on fd 3.
-    `spare_worker`: the fork server's spare network worker, when the server forked it."""
+    `worker_parent`: the socket of the fork server's worker parent, when the server
+    forked it."""
     _open_log_fifo(os.path.join(flags.bundle_dir, "log"))
     shimlog.setup(flags.debug, id=flags.id, namespace=flags.namespace)
     if sock is None:
@@ -48,7 +49,7 @@ def serve(flags: Flags, sock: socket.socket | None = None,
                       SOCKET_FD)
             return 1
     try:
-        asyncio.run(_serve(flags, sock, spare_worker))
+        asyncio.run(_serve(flags, sock, worker_parent))
     except Exception:
         log.exception("shim daemon failed")
         return 1
@@ -64,7 +65,7 @@ def serve(flags: Flags, sock: socket.socket | None = None,
 
 
 async def _serve(flags: Flags, sock: socket.socket,
-                 spare_worker: socket.socket | None) -> None:
+                 worker_parent: socket.socket | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -76,7 +77,7 @@ async def _serve(flags: Flags, sock: socket.socket,
         loop.call_soon(stop.set)
 
     # The one pod, shared by both APIs (shim/pod/podslot.py).
-    slot = PodSlot(spare_worker)
+    slot = PodSlot(worker_parent)
     tasks = TaskAPI(flags.namespace, publisher, shutdown, slot)
     descriptor = shim_pb2.DESCRIPTOR.services_by_name["Task"]
     server = Server([tasks.bind(descriptor, name) for name in TASK_SERVICES],
@@ -126,7 +127,7 @@ async def _start_network_worker(slot: PodSlot, bundle: str) -> None:
         return  # the Sandbox API's bundle: CreateSandbox starts the pod's worker
     if isinstance(spec, dict) and spec_namespaces(spec).get("network"):
         await slot.network_worker.start()
-    else:  # no pod network (the host's): a spare worker would wait for the pod's life
+    else:  # no pod network (the host's): a worker started ahead would wait for nothing
         await slot.network_worker.close()
 
 

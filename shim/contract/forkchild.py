@@ -25,13 +25,13 @@ class Request(NamedTuple):
 
 
 def become_daemon(conn: socket.socket, request: Request, listener_fd: int, cwd_fd: int,
-                  serve, spare_fd: int = -1) -> None:
-    """In the fork server's grandchild; never returns. `spare_fd`: the server's spare
-    network worker's socket (spareworker.py), -1 when it has none."""
+                  serve, workers_fd: int = -1) -> None:
+    """In the fork server's grandchild; never returns. `workers_fd`: the socket of the
+    server's worker parent (workerparent.py), -1 when it has none."""
     code = 1
     try:
         try:
-            sock = _take(conn, request, listener_fd, cwd_fd, spare_fd)
+            sock = _take(conn, request, listener_fd, cwd_fd, workers_fd)
         except Exception as exc:
             conn.send(json.dumps({"error": f"the forked daemon could not start: {exc}"})
                       .encode())
@@ -41,16 +41,17 @@ def become_daemon(conn: socket.socket, request: Request, listener_fd: int, cwd_f
             return  # `start` gave up: it forks its own daemon
         conn.close()
         code = serve(request.flags, sock,
-                     socket.socket(fileno=spare_fd) if spare_fd >= 0 else None)
+                     socket.socket(fileno=workers_fd) if workers_fd >= 0 else None)
     finally:
         os._exit(code)
 
 
 def _take(conn: socket.socket, request: Request, listener_fd: int, cwd_fd: int,
-          spare_fd: int) -> socket.socket:
+          workers_fd: int) -> socket.socket:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a daemon `start` forks has it
     os.setsid()
-    keep = sorted({conn.fileno(), listener_fd, cwd_fd} | ({spare_fd} if spare_fd >= 0 else set()))
+    keep = sorted({conn.fileno(), listener_fd, cwd_fd} |
+                  ({workers_fd} if workers_fd >= 0 else set()))
     low = 3
     for fd in keep:  # the server's listener and lock, and anything else of its
         os.closerange(low, fd)

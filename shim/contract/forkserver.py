@@ -25,7 +25,7 @@ import time
 from podvm_core import trees
 
 from . import forkchild, identity as code_identity
-from .spareworker import DELAY as SPARE_DELAY, Spare
+from .workerparent import DELAY as PARENT_DELAY, WorkerParent
 from .flags import Flags
 from .forkclient import MAX_MESSAGE, directory, lock_path, peer, socket_path
 from .proctitle import set_cmdline
@@ -80,7 +80,7 @@ def run(code: str, identity: str, serve, load) -> int:
         return 0  # another server of this identity lives (or is starting)
     signal.signal(signal.SIGTERM, _stop)
     listener = None
-    spare = Spare()
+    workers = WorkerParent()
     try:
         policy = os.sched_getscheduler(0)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # while it loads
@@ -96,13 +96,13 @@ def run(code: str, identity: str, serve, load) -> int:
         if not code_identity.current(code):
             return 0  # changed while it loaded: a newer server will be spawned
         listener = _listen(socket_path(identity, where))
-        spare.ensure()
-        _loop(listener, code, serve, _idle_exit(), spare)
+        workers.ensure()
+        _loop(listener, code, serve, _idle_exit(), workers)
     except _Stop:
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        spare.close()
+        workers.close()
         for path in (socket_path(identity, where), lock_path(identity, where)):
             try:
                 os.unlink(path)  # under the lock: no other server uses these names now
@@ -184,10 +184,10 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
-def _loop(listener: socket.socket, code: str, serve, idle: float, spare: Spare) -> None:
+def _loop(listener: socket.socket, code: str, serve, idle: float,
+          workers: WorkerParent) -> None:
     last = checked = time.monotonic()
     while True:
-        spare.reap()
         now = time.monotonic()
         if now - last >= idle:
             return
@@ -197,11 +197,11 @@ def _loop(listener: socket.socket, code: str, serve, idle: float, spare: Spare) 
                 return
             checked = now
         wait = min(idle - (now - last), CHECK_EVERY - (now - checked))
-        if spare.missing():
-            if now - last >= SPARE_DELAY:
-                spare.ensure()
+        if workers.missing():
+            if now - last >= PARENT_DELAY:
+                workers.ensure()
             else:
-                wait = min(wait, SPARE_DELAY - (now - last))
+                wait = min(wait, PARENT_DELAY - (now - last))
         if not select.select([listener], [], [], max(0.0, wait))[0]:
             continue
         try:
@@ -209,11 +209,11 @@ def _loop(listener: socket.socket, code: str, serve, idle: float, spare: Spare) 
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
         with conn:
-            _serve_one(conn, serve, spare)
+            _serve_one(conn, serve, workers)
         last = time.monotonic()
 
 
-def _serve_one(conn: socket.socket, serve, spare: Spare) -> None:
+def _serve_one(conn: socket.socket, serve, workers: WorkerParent) -> None:
     """One request: a daemon forked, or a refusal sent; never a child left behind."""
     conn.setblocking(True)
     conn.settimeout(REQUEST_WAIT)
@@ -228,12 +228,11 @@ def _serve_one(conn: socket.socket, serve, spare: Spare) -> None:
         request = _request(data, fds)
         _same_place(pid)
         try:
-            _fork(conn, request, fds, serve, spare.fd())
+            _fork(conn, request, fds, serve, workers.fd())
         finally:
             for fd in fds:
                 os.close(fd)
             fds = []
-            spare.handed()  # after: its next is started holding none of the request's
     except Refused as exc:
         _answer(conn, {"error": str(exc)})
     except OSError as exc:  # the peer went away, or a fork failed
@@ -283,7 +282,7 @@ def _same_place(pid: int) -> None:
 
 
 def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve,
-          spare_fd: int) -> None:
+          workers_fd: int) -> None:
     """The daemon, a grandchild: its parent exits at once, so that (as a daemon `start`
     forks) it is nobody's child here and the server holds no child."""
     middle = os.fork()
@@ -292,7 +291,7 @@ def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve
         try:
             if os.fork() == 0:
                 forkchild.become_daemon(conn, request, fds[0], fds[1], serve,
-                                        spare_fd)  # never returns
+                                        workers_fd)  # never returns
             code = 0
         except BaseException as exc:
             _answer(conn, {"error": f"the fork server could not fork: {exc}"})

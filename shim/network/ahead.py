@@ -1,16 +1,19 @@
-"""The pod's network worker (shim/network/remote.py), started ahead once and used by the
-boot that attaches the pod's network. Whoever first knows that the pod has a network
-starts it: the daemon, from its sandbox container's spec, before containerd sends the
-Create that boots the pod (shim/contract/daemon.py); CreateSandbox, before its
-StartSandbox; at the latest the boot itself, before it plans (shim/pod/pod.py). The
-worker's Python start and pyroute2's import then overlap what comes before the attach.
+"""The pod's network worker (shim/network/remote.py), started ahead once for each of the
+two things a pod's network needs: the boot's attach, and the detach as the VM stops.
+Whoever first knows that the pod has a network starts the attach's: the daemon, from its
+sandbox container's spec, before containerd sends the Create that boots the pod
+(shim/contract/daemon.py); CreateSandbox, before its StartSandbox; at the latest the boot
+itself, before it plans (shim/pod/pod.py). The Machine starts the detach's as its
+shutdown begins (shim/vm/machine.py). A worker forked by the fork server's worker parent
+is ready at once; one started here has its Python start and pyroute2's import overlap
+what comes before it is used.
 
 The shim's PodSlot holds its one WorkerAhead (shim/pod/podslot.py) and the pods made in
-the slot boot with it: the Pod's Machine attaches through it (shim/vm/machine.py), and
-the boot's end closes it, as do a pod stopped before it booted and the daemon's exit.
+the slot boot with it: the Pod's Machine attaches and detaches through it, the boot's end
+closes the attach's worker, as do a pod stopped before it booted and the daemon's exit.
 
 Nothing is imported at the top: the idle daemon holds one, and a pod without a network
-never starts it."""
+never starts a worker."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -23,13 +26,14 @@ if TYPE_CHECKING:
 
 
 class WorkerAhead:
-    def __init__(self, spare: socket.socket | None = None) -> None:
+    def __init__(self, parent: socket.socket | None = None) -> None:
         self._worker: Worker | None = None
-        """Started for the next attach, or serving it; None before its start and once
+        """Started for the next request, or serving it; None before its start and once
         closed."""
-        self._spare = spare
-        """The fork server's spare worker, loaded already (shim/contract/spareworker.py):
-        the first start() takes it; close() ends it unused."""
+        self._parent = parent
+        """The fork server's worker parent (shim/contract/workerparent.py), when it forked
+        this daemon: each start() asks it for a worker forked loaded, and starts one of
+        its own only when the parent is gone."""
 
     async def start(self) -> None:
         """Start the worker now, unless there is one: its start overlaps whatever the
@@ -43,16 +47,22 @@ class WorkerAhead:
         worker = await self._started()
         return await worker.attach(netns, found)
 
+    async def detach(self, netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
+        """Worker.detach() by the worker started ahead, else by one started now; closed
+        after, whatever the outcome."""
+        try:
+            worker = await self._started()
+            await worker.detach(netns, taps)
+        finally:
+            await self.close()
+
     async def close(self) -> None:
-        """End the worker, used or not: the boot is over, the pod it was started for
-        stopped before it booted, or the daemon is exiting. The next start() starts
-        another. Idempotent."""
+        """End the worker, used or not: the boot or the detach is over, the pod it was
+        started for stopped before it booted, or the daemon is exiting. The next start()
+        starts another. Idempotent."""
         worker, self._worker = self._worker, None
         if worker is not None:
             await worker.close()
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()  # the spare sees it and exits having done nothing
 
     async def _started(self) -> Worker:
         if self._worker is not None:
@@ -60,8 +70,8 @@ class WorkerAhead:
         # Here, not at the top: see the module's docstring.
         from .remote import Worker
 
-        spare, self._spare = self._spare, None
-        worker = Worker.of_spare(spare) if spare is not None else await Worker.start()
+        forked = Worker.forked(self._parent) if self._parent is not None else None
+        worker = forked or await Worker.start()
         if self._worker is None:
             self._worker = worker
             return worker

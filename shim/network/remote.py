@@ -4,8 +4,9 @@ only the model, the errors and shim/dataclassjson.py (the standard library alone
 daemon starts a worker before it loads anything of the pod's model.
 
 A Worker is started before its request is known (the pod's WorkerAhead starts one,
-shim/network/ahead.py, and its boot uses it): the worker's Python start and pyroute2's
-import, 0.1 s, overlap the plan and the cgroup instead of adding to them. It serves one
+shim/network/ahead.py, and its boot and its shutdown use it). Forked by the fork server's
+worker parent it is ready at once; started here, its Python start and pyroute2's import
+(0.1 s on an idle node) overlap the plan and the cgroup, or the VM's stop. It serves one
 request and exits; closed unused, it exits having done nothing."""
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ MAX_FDS = 64  # two per interface (tap, vhost-net)
 class Worker:
     def __init__(self, proc: asyncio.subprocess.Process | None, sock: socket.socket) -> None:
         self._proc = proc
-        """None: a spare the fork server started (shim/contract/spareworker.py), whose
-        exit the server waits for."""
+        """None: a worker the fork server's worker parent forked, which the kernel reaps
+        (shim/network/worker.py)."""
         self._sock = sock
         """Our end of the worker's socket."""
         self._used = False
@@ -52,10 +53,20 @@ class Worker:
         return cls(proc, ours)
 
     @classmethod
-    def of_spare(cls, sock: socket.socket) -> Worker:
-        """The fork server's spare, started ahead with its imports done: `sock` is our
-        end of its socket."""
-        return cls(None, sock)
+    def forked(cls, parent: socket.socket) -> Worker | None:
+        """A worker forked by the fork server's worker parent (shim/network/worker.py,
+        --parent), its imports done already: the parent is sent the worker's end of a
+        new socket. None when the parent is gone (its server exited) or does not take it
+        now: the caller starts a worker of its own."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            socket.send_fds(parent, [b"w"], [theirs.fileno()], socket.MSG_DONTWAIT)
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return cls(None, ours)
 
     async def attach(self, netns: str, found: Callable[[PodNetwork], None] | None = None
                      ) -> tuple[PodNetwork, tuple[TapNic, ...]]:

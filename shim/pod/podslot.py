@@ -17,15 +17,15 @@ if TYPE_CHECKING:
 
 
 class PodSlot:
-    def __init__(self, spare_worker: socket.socket | None = None) -> None:
-        """`spare_worker`: the fork server's spare network worker, when it forked the
-        daemon (shim/contract/spareworker.py)."""
+    def __init__(self, worker_parent: socket.socket | None = None) -> None:
+        """`worker_parent`: the socket of the fork server's worker parent, when it
+        forked the daemon (shim/contract/workerparent.py)."""
         self.pod: Pod | None = None
         self.sandbox_api_owner = ""
         """The Sandbox-API sandbox that owns this shim until its ShutdownSandbox, which
         alone ends the shim ("": none). containerd 2.x deletes the containers' tasks, and
         asks the Task API to shut down, before it stops and shuts down the sandbox."""
-        self.network_worker = WorkerAhead(spare_worker)
+        self.network_worker = WorkerAhead(worker_parent)
         """The pod's network worker: started ahead for the pod to come, which boots with
         it."""
         self._listeners: list[PodListener] = []

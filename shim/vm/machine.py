@@ -26,7 +26,7 @@ from ..host.mounts import Mount
 from ..host.podstate import PodState, state_path
 from ..host.processes import start_time
 from ..host.share import Share
-from ..network import remote
+from ..network.ahead import WorkerAhead
 from ..network.errors import NetworkError
 from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
@@ -40,7 +40,6 @@ from .template.restore import Restorer
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
 
-    from ..network.ahead import WorkerAhead
     from ..network.portforward import PortForwarder
     from ..resources import PlanDelta
 
@@ -339,13 +338,15 @@ class Machine:
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
         directory itself (the daemon removes that last). Idempotent."""
-        # the worker that detaches the network starts now: its imports overlap the VM's stop
-        detacher = asyncio.ensure_future(remote.Worker.start()) if self.state.netns else None
+        # the worker that detaches the network starts now: forked loaded by the fork
+        # server's worker parent, or else its imports overlap the VM's stop
+        network = self._network_worker or WorkerAhead()
+        detacher = asyncio.ensure_future(network.start()) if self.state.netns else None
         try:
             await self._stop_vm()
         finally:
             if detacher is not None:
-                await self._detach(await detacher)
+                await self._detach(network, detacher)
         self.cgroup.destroy()
         for container_id in list(self.state.rootfs):
             self.unshare_container(container_id)
@@ -373,18 +374,17 @@ class Machine:
         self._disk_shown = None
         await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
 
-    async def _detach(self, worker: remote.Worker) -> None:
+    async def _detach(self, network: WorkerAhead, started: Awaitable[None]) -> None:
         try:
-            await worker.detach(self.state.netns, self.state.taps)
+            await started
+            await network.detach(self.state.netns, self.state.taps)
             # Detached: the daemon's last cleanup (shim/host/cleanup.py) starts no worker
             # to do it again. It did, on every pod's way out, and the `delete` containerd
             # runs as the daemon goes killed the daemon under it: the orphan kept using
             # the install tree while the last collector of an uninstalled tree looked.
             self.record(netns="", taps=())
-        except NetworkError as exc:  # the rest still goes; delete tries again
-            log.error("sandbox %s: %s", self.id, exc)
-        finally:
-            await worker.close()
+        except (NetworkError, OSError) as exc:  # the rest still goes; delete tries again
+            log.error("sandbox %s: detaching the network: %s", self.id, exc)
 
 
 async def _together(*steps: Awaitable[T]) -> list[T]:

@@ -21,7 +21,7 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
-from testbed.shimproc import (NS, SPARE, WORKER, alive, make_bundle, network_workers,
+from testbed.shimproc import (NS, PARENT, WORKER, alive, make_bundle, network_workers,
                               processes, run_shim)
 
 TASK = "containerd.task.v2.Task"
@@ -305,11 +305,9 @@ def test_setting_the_command_line_leaves_the_shared_libc_handle_as_it_was() -> N
     assert "b'probe\\x00'" in done.stdout
 
 
-def spares(server: int) -> set[int]:
-    """The fork server's spare network workers alive (shim/contract/spareworker.py): the
-    one it keeps, and those it handed to daemons that have not used them yet (they stay
-    its children)."""
-    return {pid for pid, _ in processes(WORKER, SPARE, parent=server)}
+def worker_parents(server: int) -> set[int]:
+    """The fork server's worker parents alive (shim/contract/workerparent.py): one."""
+    return {pid for pid, _ in processes(WORKER, PARENT, parent=server)}
 
 
 def network_bundle(tmp_path, group: str) -> pathlib.Path:
@@ -321,21 +319,21 @@ def network_bundle(tmp_path, group: str) -> pathlib.Path:
     return bundle
 
 
-async def test_each_daemon_gets_a_network_worker_loaded_ahead_and_none_is_left(
+async def test_each_daemon_gets_its_network_workers_forked_loaded_and_none_is_left(
         tmp_path, grpc_address, servers, delete_after) -> None:
-    """The server keeps one network worker started, its imports done at SCHED_IDLE, and
-    hands it to the next daemon it forks: a pod with a network attaches through it without
-    waiting for a worker's imports; a pod without one lets it go at once; the server's
-    exit ends its own."""
+    """The server keeps one worker parent, loaded, and every daemon it forks holds its
+    socket: a pod with a network gets its worker forked from it at once, without waiting
+    for a worker's imports; a pod without one gets none; a parent that died is started
+    again; the server's exit ends it."""
     where, env = servers
     code = identity.own_name()
     delete_after.append((start(tmp_path, "sb1", grpc_address, env), env))
     server = wait_server(where, code)
-    _wait(lambda: len(spares(server)) == 1, "the server started no spare network worker")
-    (first,) = spares(server)
-    # loaded, it serves under the daemons' scheduling policy, not the one it loaded at
-    _wait(lambda: os.sched_getscheduler(first) == os.sched_getscheduler(server),
-          "the spare still runs at SCHED_IDLE")
+    _wait(lambda: len(worker_parents(server)) == 1, "the server started no worker parent")
+    (parent,) = worker_parents(server)
+    # loaded, it forks under the daemons' scheduling policy, not the one it loaded at
+    _wait(lambda: os.sched_getscheduler(parent) == os.sched_getscheduler(server),
+          "the worker parent still runs at SCHED_IDLE")
 
     bundle = network_bundle(tmp_path, "sb2")
     result = run_shim(bundle, "sb2", "start", grpc_address, env=env)
@@ -343,23 +341,25 @@ async def test_each_daemon_gets_a_network_worker_loaded_ahead_and_none_is_left(
     delete_after.append((bundle, env))
     daemon = shim_state("sb2")["pid"]
     assert shim_state("sb2")["forkserver"] == server
-    assert network_workers(daemon) == [first]  # the daemon holds the loaded one
-    _wait(lambda: spares(server) - {first}, "the server started no next spare")
-    (second,) = spares(server) - {first}
+    _wait(lambda: network_workers(daemon), "the daemon started no network worker ahead")
+    (worker,) = network_workers(daemon)
+    assert processes(WORKER, PARENT, parent=parent) == [(worker, parent)]  # forked
 
-    # a pod with no network of its own: its daemon lets the spare go at once
+    # a pod with no network of its own: its daemon has no worker
     delete_after.append((start(tmp_path, "sb3", grpc_address, env), env))
-    _wait(lambda: not alive(second), "a daemon without a pod network kept its spare")
+    assert network_workers(shim_state("sb3")["pid"]) == []
 
     async with await Client.connect(result.stdout.decode()) as client:
         with contextlib.suppress(Exception):  # closed under the answer: success
             await client.call(TASK, "Shutdown", api.ShutdownRequest(id="sb2"),
                               api.StateResponse)
-    _wait(lambda: not alive(daemon) and not alive(first),
+    _wait(lambda: not alive(daemon) and not alive(worker),
           "the daemon's network worker outlived it")
+    assert worker_parents(server) == {parent}
 
-    _wait(lambda: spares(server) - {first, second}, "the server started no next spare")
-    (third,) = spares(server) - {first, second}
+    os.kill(parent, signal.SIGKILL)  # started again once the server is idle
+    _wait(lambda: worker_parents(server) - {parent}, "the server started no worker parent")
+    (again,) = worker_parents(server)
     os.kill(server, signal.SIGTERM)
-    _wait(lambda: not alive(server) and not alive(third),
-          "the server's exit left its spare network worker")
+    _wait(lambda: not alive(server) and not alive(again),
+          "the server's exit left its worker parent")

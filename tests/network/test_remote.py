@@ -167,36 +167,130 @@ async def test_detach_without_a_loop_for_delete(pod: Namespace) -> None:
     remote.detach_now(pod.path, ["tap0_podvm"])
 
 
-@pytest.mark.parametrize("spare", [False, True])
-def test_a_worker_ends_with_the_process_that_started_it_unless_a_spare(spare: bool) -> None:
+@pytest.mark.parametrize("parent", [False, True])
+def test_a_worker_ends_with_the_process_that_started_it_unless_a_parent(parent: bool) -> None:
     """`delete` kills a daemon that is still on its way out: a worker it had started (its
     request sent, its socket still open elsewhere) must not outlive it, using the install
-    tree when the last collector of an uninstalled tree looks. The fork server's spare is
-    another's to use once handed on: it stays when the server goes."""
+    tree when the last collector of an uninstalled tree looks. The fork server's worker
+    parent serves the daemons the server forked: it stays when the server goes, until
+    every holder of its socket's other end has closed it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    argv = remote.worker_argv(theirs.fileno()) + (["--spare", "0"] if spare else [])
-    parent = subprocess.Popen(
+    argv = remote.worker_argv(theirs.fileno()) + (["--parent", "0"] if parent else [])
+    starter = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time\n"
          f"w = subprocess.Popen({argv!r}, pass_fds=({theirs.fileno()},))\n"
          "print(w.pid, flush=True)\ntime.sleep(600)"],
         pass_fds=(theirs.fileno(),), stdout=subprocess.PIPE, text=True)
     try:
-        worker = int(parent.stdout.readline())
+        worker = int(starter.stdout.readline())
         time.sleep(1)  # its imports done, waiting on a socket whose ends are all open
         assert alive(worker)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
+        starter.send_signal(signal.SIGKILL)
+        starter.wait()
         deadline = time.monotonic() + 10
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert alive(worker) == spare
+        assert alive(worker) == parent
     finally:
-        parent.kill()
-        parent.wait()
+        starter.kill()
+        starter.wait()
         ours.close()
         theirs.close()
-    deadline = time.monotonic() + 10  # the spare sees its socket close and exits
+    deadline = time.monotonic() + 10  # the parent sees its socket close and exits
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(worker)
+
+
+@pytest.fixture
+def worker_parent():
+    """A worker parent as the fork server starts it (shim/contract/workerparent.py),
+    loaded: (its process, the socket the daemons ask it on)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen(remote.worker_argv(theirs.fileno()) + ["--parent", "0"],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    try:
+        yield proc, ours
+    finally:
+        ours.close()
+        try:
+            proc.wait(10)  # its socket's other end closed: it exits by itself
+        finally:
+            proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """`pid`'s children, zombies included."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return children
+
+
+async def test_a_worker_parent_forks_a_loaded_worker_for_each_request(
+        pod: Namespace, worker_parent) -> None:
+    """Each daemon's attach and detach are served by a worker the parent forks, its
+    imports done already; each serves one request, exits, and is reaped by the kernel."""
+    proc, asks = worker_parent
+    attacher = remote.Worker.forked(asks)
+    assert attacher is not None
+    seen = []
+    try:
+        network, nics = await attacher.attach(pod.path, seen.append)
+    finally:
+        await attacher.close()
+    assert seen == [network] and "tap0_podvm" in pod.links()
+    for nic in nics:
+        nic.close()
+    ahead = WorkerAhead(asks)
+    await ahead.start()
+    assert ahead._worker._proc is None  # forked, not started
+    await ahead.detach(pod.path, [n.tap for n in nics])
+    assert ahead._worker is None
+    assert_nothing_of_podvm(pod)
+    deadline = time.monotonic() + 10
+    while _children(proc.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _children(proc.pid) == [] and proc.poll() is None  # the workers gone, it stays
+
+
+async def test_a_daemon_whose_worker_parent_is_gone_starts_its_own(
+        pod: Namespace, worker_parent) -> None:
+    proc, asks = worker_parent
+    proc.kill()
+    proc.wait()
+    assert remote.Worker.forked(asks) is None
+    ahead = WorkerAhead(asks)
+    _, nics = await ahead.attach(pod.path)
+    for nic in nics:
+        nic.close()
+    assert ahead._worker._proc is not None  # its own
+    await ahead.close()
+    await ahead.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+
+
+async def test_a_worker_parent_ignores_a_request_without_one_socket(
+        pod: Namespace, worker_parent) -> None:
+    """Anything on its socket but one socket is dropped, and it goes on forking."""
+    proc, asks = worker_parent
+    asks.send(b"w")
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    socket.send_fds(asks, [b"w"], [a.fileno(), b.fileno()])
+    a.close()
+    b.close()
+    worker = remote.Worker.forked(asks)
+    _, nics = await worker.attach(pod.path)
+    await worker.close()
+    for nic in nics:
+        nic.close()
+    await remote.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+    assert proc.poll() is None
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import pathlib
+import time
 
 import pytest
 
@@ -204,7 +205,11 @@ async def test_a_sandbox_stopped_before_start_ends_its_early_network_worker(pod)
                                   netns_path="/var/run/netns/podvm-never-used")
     req.options.Pack(pod.config(memory=128 * MIB))
     await pod.call("CreateSandbox", req, sb.CreateSandboxResponse)
-    (worker,) = network_workers(pod.daemon_pid)  # started at Create, for the boot
+    # started at Create, for the boot (a worker parent forks it as it reads the request)
+    deadline = time.monotonic() + 10
+    while not network_workers(pod.daemon_pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    (worker,) = network_workers(pod.daemon_pid)
     await pod.call("StopSandbox", sb.StopSandboxRequest(sandbox_id=pod.id),
                    sb.StopSandboxResponse)
     assert network_workers(pod.daemon_pid) == []
