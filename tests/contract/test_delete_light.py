@@ -4,9 +4,11 @@ out needs, and answers without protobuf; what is left still goes (shim/contract/
 shim/host/leftovers.py)."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from shim.contract.delete import KILLED, delete_response
 from shim.host import leftovers
+from shim.host.pids import SHIM_BINARY
 from testbed.shimproc import NS, SHIM, make_bundle
 
 HEAVY = ("asyncio", "google.protobuf", "psutil", "ctypes", "cgroups", "shim.host.cleanup",
@@ -107,3 +110,33 @@ def test_a_state_directory_is_left_behind(tmp_path) -> None:
         assert leftovers.left_behind(NS, "c2", str(bundle))
     finally:
         os.rmdir(state_dir)
+
+
+def test_delete_of_a_workload_container_of_a_live_pod_leaves_it_to_the_daemon(tmp_path) -> None:
+    """containerd 1.6 runs a workload container's `delete` inside its pod's StopPodSandbox,
+    while the pod's daemon still runs: the daemon unshared the container's files before
+    its Delete answered, so `delete` finds nothing to do without psutil's scan of every
+    process (3.7 s of each of twenty pods stopped at once), and leaves the pod's state
+    alone. With the daemon gone, the pod's state is left behind again."""
+    bundle = make_bundle(tmp_path, "live-c1", sandbox_id="live-sb")
+    state_dir = pathlib.Path(leftovers.paths.state_dir(NS, "live-sb"))
+    state_dir.mkdir(parents=True)
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                               SHIM_BINARY])  # a live process that is "our shim"
+    try:
+        (state_dir / "shim.json").write_text(json.dumps({"pid": daemon.pid}))
+        assert not leftovers.left_behind(NS, "live-c1", str(bundle))
+        assert leftovers.left_behind(NS, "live-sb", str(make_bundle(
+            tmp_path, "live-sb", sandbox_id="live-sb")))  # the pod's own: its state
+        out, loaded = _delete_importing(bundle, str(tmp_path / "containerd.sock"))
+        assert api.DeleteResponse.FromString(out).exit_status == 137
+        heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
+        assert not heavy, f"`delete` of a live pod's container loaded {heavy}"
+        assert daemon.poll() is None and (state_dir / "shim.json").exists()
+        daemon.kill()
+        daemon.wait()
+        assert leftovers.left_behind(NS, "live-c1", str(bundle))
+    finally:
+        daemon.kill()
+        daemon.wait()
+        shutil.rmtree(state_dir)
