@@ -55,6 +55,7 @@ from bench.scalelog import (Deletes, past_deadline, pod_phases,  # noqa: E402
 from podvm_node.collect import Reader  # noqa: E402
 from shim.host import paths  # noqa: E402
 from shim.host.cleanup import processes_of  # noqa: E402
+from testbed import forkservers  # noqa: E402
 from testbed.containerd import CRI_NAMESPACE, Containerd, shims_of  # noqa: E402
 from testbed.criclient import CriClient  # noqa: E402
 from testbed.pods import qemus  # noqa: E402
@@ -123,16 +124,33 @@ def cpu_by_role(processes: dict[int, str], before: dict[int, float]) -> dict[str
     return spent
 
 
+def warm_fork_server(ctd: Containerd, work: pathlib.Path, tag: str,
+                     shape: tuple[int, int]) -> None:
+    """One pod started and removed first, as on a node where pods have been starting: the
+    shim's fork server up and its worker parent loaded (shim/contract/forkserver.py), which
+    a node's first pod spawns and which exits after 10 idle minutes."""
+    pod = PodRun(f"{tag}-warm", shape, "podvm")
+    with CriClient(ctd.cri_endpoint, timeout=CALL_TIMEOUT) as client:
+        start_pod(client, ctd, work, pod)
+        error = remove_pod(client, pod)
+    if error or not forkservers.wait_loaded():
+        raise RuntimeError(f"the fork server was not warmed: {error or 'none came up'}")
+
+
 def run_scale(ctd: Containerd, work: pathlib.Path, count: int,
               shapes: list[tuple[int, int]], warm: bool = True,
-              runtime: str = "podvm") -> ScaleRun:
+              runtime: str = "podvm", warm_server: bool = False) -> ScaleRun:
     """Start `count` pods of `runtime` at once on the started CRI containerd `ctd`, measure
     them, remove them all at once, and see what is left. `warm` (podvm): the default
     shape's template is made first, as the node installer has it made (`podvmctl templates
-    warm`); else the first pods of every shape boot."""
+    warm`); else the first pods of every shape boot. `warm_server` (podvm): one pod started
+    and removed first (warm_fork_server); else the first `start`s may spawn the fork
+    server."""
     tag = f"scale-{runtime}-{uuid.uuid4().hex[:6]}"
     if warm and runtime == "podvm":
         warm_templates(pathlib.Path(ctd.podvm_config))
+    if warm_server and runtime == "podvm":
+        warm_fork_server(ctd, work, tag, shapes[0])
     run = ScaleRun(runtime, [PodRun(f"{tag}-{i}", shapes[i % len(shapes)], runtime)
                              for i in range(count)])
     before = {pid: cpu_seconds(pid) for pid in pod_processes(ctd, [])}
@@ -292,7 +310,9 @@ def main() -> int:
                              "10 GiB default would need 200 GiB free, or be refused)")
     parser.add_argument("--cold", action="store_true",
                         help="no template made first (podvmctl templates warm, as the node "
-                             "installer runs it): the first pods of every shape boot")
+                             "installer runs it) nor a pod started and removed before: the "
+                             "first pods of every shape boot, the first starts spawn the "
+                             "shim's fork server")
     parser.add_argument("--keep-log", type=pathlib.Path, metavar="FILE",
                         help="copy containerd's log (the shims' lines included) to FILE")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES), type=runtimes,
@@ -312,7 +332,8 @@ def main() -> int:
                         podvm_config=config) as ctd:
             ctd.import_cri_images(work)
             runs = [run_scale(ctd, work, args.pods, args.shapes, warm=not args.cold,
-                              runtime=runtime) for runtime in args.runtimes]
+                              runtime=runtime, warm_server=not args.cold)
+                    for runtime in args.runtimes]
             log = ctd.log()
             for run in runs:  # a delete of one run's may end in the next run's time
                 run.deletes = read_deletes(run.pods, log[run.log_from:])

@@ -9,8 +9,10 @@ import os
 import signal
 import time
 
-from podvm_core.treegc import FORK_SERVER, alive
+from podvm_core.treegc import FORK_SERVER, WORKER_PARENT, alive
 from shim.contract import identity
+
+from .shimproc import processes
 
 
 def own() -> list[int]:
@@ -44,3 +46,16 @@ def stop_own(wait: float = 10.0) -> list[int]:
         time.sleep(0.05)
     return left
 
+
+
+def wait_loaded(timeout: float = 60.0) -> bool:
+    """Whether a fork server of this checkout's code runs with its worker parent (loaded
+    as far as a process list tells) within `timeout` seconds: what a node where pods have
+    been starting has, and a bench's first figures would otherwise measure its spawn."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        servers = set(own())
+        if servers and any(parent in servers for _, parent in processes(*WORKER_PARENT)):
+            return True
+        time.sleep(0.1)
+    return False

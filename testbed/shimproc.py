@@ -102,7 +102,7 @@ def network_workers(daemon_pid: int) -> list[int]:
     family = dict(processes(WORKER, PARENT))
     forked = {pid for pid, parent in family.items() if parent in family}
     return [pid for pid, parent in processes(WORKER) if parent == daemon_pid or
-            pid in forked and _peers(pid) & _sockets(daemon_pid)]
+            pid in forked and socket_peers(pid) & _sockets(daemon_pid)]
 
 
 def _sockets(pid: int) -> set[int]:
@@ -118,7 +118,7 @@ def _sockets(pid: int) -> set[int]:
     return inodes
 
 
-def _peers(pid: int) -> set[int]:
+def socket_peers(pid: int) -> set[int]:
     """The inodes of the peers of `pid`'s Unix sockets (ss(8): the kernel's sock_diag)."""
     own = _sockets(pid)
     out = subprocess.run(["ss", "-xan"], capture_output=True, text=True).stdout

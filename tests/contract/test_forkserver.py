@@ -21,8 +21,8 @@ import pytest
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
-from testbed.shimproc import (NS, PARENT, WORKER, alive, make_bundle, network_workers,
-                              processes, run_shim)
+from testbed.shimproc import (NS, PARENT, WORKER, alive, make_bundle,
+                              network_workers, processes, run_shim, socket_peers)
 
 TASK = "containerd.task.v2.Task"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -310,6 +310,21 @@ def worker_parents(server: int) -> set[int]:
     return {pid for pid, _ in processes(WORKER, PARENT, parent=server)}
 
 
+def _socket_fds(pid: int) -> dict[int, int]:
+    """`pid`'s descriptors that are sockets, and their inodes."""
+    fds = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if link.startswith("socket:["):
+            fds[int(fd)] = int(link[8:-1])
+    return fds
+
+
+def _fd_flags(pid: int, fd: int) -> int:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+
+
 def network_bundle(tmp_path, group: str) -> pathlib.Path:
     """A sandbox container's bundle whose spec names the pod's network namespace."""
     bundle = make_bundle(tmp_path, group, sandbox_id=group)
@@ -344,6 +359,11 @@ async def test_each_daemon_gets_its_network_workers_forked_loaded_and_none_is_le
     _wait(lambda: network_workers(daemon), "the daemon started no network worker ahead")
     (worker,) = network_workers(daemon)
     assert processes(WORKER, PARENT, parent=parent) == [(worker, parent)]  # forked
+    # The daemon holds the parent's socket close-on-exec: the pod's QEMU and virtiofsd,
+    # which it executes, never hold a way to ask root's worker for a netns of their choice.
+    held = [fd for fd, inode in _socket_fds(daemon).items() if inode in socket_peers(parent)]
+    assert len(held) == 1, held
+    assert _fd_flags(daemon, held[0]) & os.O_CLOEXEC
 
     # a pod with no network of its own: its daemon has no worker
     delete_after.append((start(tmp_path, "sb3", grpc_address, env), env))
