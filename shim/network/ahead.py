@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 class WorkerAhead:
     def __init__(self, parent: socket.socket | None = None) -> None:
         self._worker: Worker | None = None
-        """Started for the next request, or serving it; None before its start and once
-        closed."""
+        """Started for the next request; None before its start, once it is given one, and
+        once closed."""
+        self._used: list[Worker] = []
+        """Given their request: close() waits for their exit (a boot that failed after its
+        attach detaches through the next worker before the boot closes this one)."""
         self._parent = parent
         """The fork server's worker parent (shim/contract/workerparent.py), when it forked
         this daemon: each start() asks it for a worker forked loaded, and starts one of
@@ -44,15 +47,13 @@ class WorkerAhead:
                      ) -> tuple[PodNetwork, tuple[TapNic, ...]]:
         """Worker.attach() by the worker started ahead, else by one started now. It
         serves this one request; close() waits for its exit."""
-        worker = await self._started()
-        return await worker.attach(netns, found)
+        return await (await self._taken()).attach(netns, found)
 
     async def detach(self, netns: str, taps: list[str] | tuple[str, ...] = ()) -> None:
         """Worker.detach() by the worker started ahead, else by one started now; closed
         after, whatever the outcome."""
         try:
-            worker = await self._started()
-            await worker.detach(netns, taps)
+            await (await self._taken()).detach(netns, taps)
         finally:
             await self.close()
 
@@ -60,9 +61,18 @@ class WorkerAhead:
         """End the worker, used or not: the boot or the detach is over, the pod it was
         started for stopped before it booted, or the daemon is exiting. The next start()
         starts another. Idempotent."""
+        workers, self._used = self._used, []
         worker, self._worker = self._worker, None
-        if worker is not None:
-            await worker.close()
+        for each in workers + ([worker] if worker is not None else []):
+            await each.close()
+
+    async def _taken(self) -> Worker:
+        """The worker started ahead (else one started now), for one request: the next
+        start() starts another."""
+        worker = await self._started()
+        self._worker = None
+        self._used.append(worker)
+        return worker
 
     async def _started(self) -> Worker:
         if self._worker is not None:

@@ -270,7 +270,7 @@ async def test_a_daemon_whose_worker_parent_is_gone_starts_its_own(
     _, nics = await ahead.attach(pod.path)
     for nic in nics:
         nic.close()
-    assert ahead._worker._proc is not None  # its own
+    assert [w._proc is not None for w in ahead._used] == [True]  # its own
     await ahead.close()
     await ahead.detach(pod.path, [n.tap for n in nics])
     assert_nothing_of_podvm(pod)
@@ -294,3 +294,17 @@ async def test_a_worker_parent_ignores_a_request_without_one_socket(
     assert_nothing_of_podvm(pod)
     assert proc.poll() is None
 
+
+
+async def test_a_detach_after_an_attach_not_yet_closed_gets_a_worker_of_its_own(
+        pod: Namespace) -> None:
+    """A boot that fails after its attach stops the VM, and detaches, before the boot's
+    end closes the attach's worker: the detach gets a worker of its own."""
+    ahead = WorkerAhead()
+    _, nics = await ahead.attach(pod.path)
+    for nic in nics:
+        nic.close()
+    await ahead.detach(pod.path, [n.tap for n in nics])
+    assert_nothing_of_podvm(pod)
+    assert ahead._used == [] and ahead._worker is None  # both closed
+    await ahead.close()
