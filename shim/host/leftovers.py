@@ -8,8 +8,14 @@ from __future__ import annotations
 import os
 import time
 
+from podvm_core import lightjson
+
 from . import paths, shimstate
 from .pids import is_our_shim
+
+POD_STATE = "sandbox.json"
+"""The daemon's record of what it made (shim/host/podstate.py, STATE_FILE), read here
+without its model: `delete` loads only what finding out needs."""
 
 STALE_AFTER = 30.0
 """Seconds a state directory without shim.json must be left unchanged before a sweep takes
@@ -23,16 +29,17 @@ def left_behind(namespace: str, container_id: str, bundle: str) -> bool:
     directory no daemon is recorded, and no QEMU nor mount of the pod is left: they go
     before it.
 
-    A workload container of a pod whose daemon lives has only the mount to look for: the
-    daemon's Delete unshared its files before it answered (shim/pod/containers.py), and
-    what a Delete that never reached it left is in the pod's mount namespace, which goes
-    with the pod. containerd 1.6 runs this `delete` inside the pod's StopPodSandbox: its
-    finding out, with psutil's scan of every process, took 3.7 s of each of twenty pods
-    stopped at once (issue 47)."""
+    A workload container of a pod whose daemon lives leaves nothing once the daemon's
+    Delete has unshared its files, which it does before it answers (shim/pod/containers.py):
+    the daemon's record (sandbox.json) then no longer names the container's rootfs. A
+    Delete that failed before leaves it named, and its mounts in the pod's namespace are
+    then `delete`'s to remove. containerd 1.6 runs this `delete` inside the pod's
+    StopPodSandbox: finding that out with psutil's scan of every process took 3.7 s of
+    each of twenty pods stopped at once (issue 47)."""
     group = paths.group_id(paths.read_spec(bundle), container_id)
     if mounted_at_or_under(os.path.join(bundle, "rootfs")):
         return True
-    if group != container_id and _daemon_lives(namespace, group):
+    if group != container_id and _unshared_by_its_daemon(namespace, group, container_id):
         return False
     return os.path.lexists(paths.state_dir(namespace, group))
 
@@ -67,9 +74,21 @@ def anything_abandoned(namespace: str) -> bool:
                for group in groups)
 
 
-def _daemon_lives(namespace: str, group: str) -> bool:
+def _unshared_by_its_daemon(namespace: str, group: str, container_id: str) -> bool:
+    """The pod's daemon lives, and its record names no rootfs of the container (or the pod
+    has no record: it never booted, so no container of it was shared)."""
     pid = (shimstate.read(namespace, group) or {}).get("pid")
-    return isinstance(pid, int) and is_our_shim(pid)
+    if not (isinstance(pid, int) and is_our_shim(pid)):
+        return False
+    try:
+        with open(os.path.join(paths.state_dir(namespace, group), POD_STATE), "rb") as f:
+            record = lightjson.loads(f.read())
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+    rootfs = record.get("rootfs") if isinstance(record, dict) else None
+    return isinstance(rootfs, dict) and container_id not in rootfs
 
 
 def abandoned(state_dir: str, state: dict | None) -> bool:

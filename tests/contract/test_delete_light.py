@@ -112,31 +112,45 @@ def test_a_state_directory_is_left_behind(tmp_path) -> None:
         os.rmdir(state_dir)
 
 
-def test_delete_of_a_workload_container_of_a_live_pod_leaves_it_to_the_daemon(tmp_path) -> None:
+@pytest.mark.parametrize("record, left", [
+    (None, False),  # the pod never booted: nothing of a container was shared
+    ({"rootfs": {"other": "/b/other/rootfs"}}, False),  # unshared by its Delete
+    ({"rootfs": {"live-c1": "/b/live-c1/rootfs"}}, True),  # its Delete failed before
+    ({"rootfs": "garbled"}, True)])
+def test_delete_of_a_workload_container_of_a_live_pod_reads_its_daemon_s_record(
+        tmp_path, record, left) -> None:
     """containerd 1.6 runs a workload container's `delete` inside its pod's StopPodSandbox,
-    while the pod's daemon still runs: the daemon unshared the container's files before
-    its Delete answered, so `delete` finds nothing to do without psutil's scan of every
-    process (3.7 s of each of twenty pods stopped at once), and leaves the pod's state
-    alone. With the daemon gone, the pod's state is left behind again."""
+    while the pod's daemon still runs. The daemon unshares the container's files before its
+    Delete answers, and its record (sandbox.json) then names no rootfs of the container:
+    `delete` finds nothing to do without psutil's scan of every process (3.7 s of each of
+    twenty pods stopped at once), and leaves the pod's state alone. A record still naming
+    it (a Delete that failed first), or one it cannot read, leaves the mounts to `delete`
+    (test_process_contract's unmount in the pod's namespace); so does a daemon gone."""
     bundle = make_bundle(tmp_path, "live-c1", sandbox_id="live-sb")
     state_dir = pathlib.Path(leftovers.paths.state_dir(NS, "live-sb"))
-    state_dir.mkdir(parents=True)
-    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
-                               SHIM_BINARY])  # a live process that is "our shim"
+    daemon = None
     try:
+        state_dir.mkdir(parents=True)
+        daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                   SHIM_BINARY])  # a live process that is "our shim"
         (state_dir / "shim.json").write_text(json.dumps({"pid": daemon.pid}))
-        assert not leftovers.left_behind(NS, "live-c1", str(bundle))
+        if record is not None:
+            (state_dir / leftovers.POD_STATE).write_text(json.dumps({"version": 1, **record}))
+        assert leftovers.left_behind(NS, "live-c1", str(bundle)) == left
         assert leftovers.left_behind(NS, "live-sb", str(make_bundle(
             tmp_path, "live-sb", sandbox_id="live-sb")))  # the pod's own: its state
-        out, loaded = _delete_importing(bundle, str(tmp_path / "containerd.sock"))
-        assert api.DeleteResponse.FromString(out).exit_status == 137
-        heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
-        assert not heavy, f"`delete` of a live pod's container loaded {heavy}"
-        assert daemon.poll() is None and (state_dir / "shim.json").exists()
+        if not left:
+            out, loaded = _delete_importing(bundle, str(tmp_path / "containerd.sock"))
+            assert api.DeleteResponse.FromString(out).exit_status == 137
+            heavy = sorted(m for m in loaded
+                           if any(m == h or m.startswith(h + ".") for h in HEAVY))
+            assert not heavy, f"`delete` of a live pod's container loaded {heavy}"
+            assert daemon.poll() is None and (state_dir / "shim.json").exists()
         daemon.kill()
         daemon.wait()
         assert leftovers.left_behind(NS, "live-c1", str(bundle))
     finally:
-        daemon.kill()
-        daemon.wait()
-        shutil.rmtree(state_dir)
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
+        shutil.rmtree(state_dir, ignore_errors=True)

@@ -16,7 +16,7 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
-from shim.host import paths
+from shim.host import leftovers, paths
 from testbed.containerd import shims_of
 from testbed.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers, run_shim,
                               wait_gone)
@@ -98,7 +98,8 @@ def test_delete_of_a_container_unmounts_it_in_the_pod_s_namespace(started, tmp_p
                                                                   grpc_address) -> None:
     """containerd runs `delete` for a container whose Delete failed while the pod's daemon
     lives: its rootfs and shared files are mounts in the daemon's namespace, unmounted
-    there; the daemon serves on."""
+    there; the daemon serves on. The daemon's record still names the container's rootfs
+    (it goes from there once the files are unshared)."""
     pid = daemon_pid(NS, "sb1")
     workload = make_bundle(tmp_path, "c1", sandbox_id="sb1")
     shared = pathlib.Path(f"/run/podvm/{NS}/sb1/shared/c1/rootfs")
@@ -107,7 +108,12 @@ def test_delete_of_a_container_unmounts_it_in_the_pod_s_namespace(started, tmp_p
         subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "mount", "-t", "tmpfs",
                         "tmpfs", str(point)], check=True)
         assert str(point) in mount_points(pid) and str(point) not in mount_points("self")
-    result = run_shim(workload, "c1", "delete", grpc_address)
+    record = pathlib.Path(f"/run/podvm/{NS}/sb1/{leftovers.POD_STATE}")
+    record.write_text(json.dumps({"rootfs": {"c1": str(workload / "rootfs")}}))
+    try:
+        result = run_shim(workload, "c1", "delete", grpc_address)
+    finally:
+        record.unlink()  # not a whole pod's state: the daemon without a pod has none
     assert result.returncode == 0, result.stderr
     assert api.DeleteResponse.FromString(result.stdout).exit_status == 137
     assert not {str(workload / "rootfs"), str(shared)} & mount_points(pid)
