@@ -11,13 +11,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from shim.contract.delete import KILLED, delete_response
 from shim.host import leftovers
-from shim.host.pids import SHIM_BINARY
+from shim.host.pids import SHIM_BINARY, is_our_shim
 from testbed.shimproc import NS, SHIM, make_bundle
 
 HEAVY = ("asyncio", "google.protobuf", "psutil", "ctypes", "cgroups", "shim.host.cleanup",
@@ -133,6 +134,10 @@ def test_delete_of_a_workload_container_of_a_live_pod_reads_its_daemon_s_record(
         state_dir.mkdir(parents=True)
         daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
                                    SHIM_BINARY])  # a live process that is "our shim"
+        deadline = time.monotonic() + 30  # once it has exec'd (a busy core delays it)
+        while not is_our_shim(daemon.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert is_our_shim(daemon.pid)
         (state_dir / "shim.json").write_text(json.dumps({"pid": daemon.pid}))
         if record is not None:
             (state_dir / leftovers.POD_STATE).write_text(json.dumps({"version": 1, **record}))
