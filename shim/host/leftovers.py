@@ -13,10 +13,6 @@ from podvm_core import lightjson
 from . import paths, shimstate
 from .pids import is_our_shim
 
-POD_STATE = "sandbox.json"
-"""The daemon's record of what it made (shim/host/podstate.py, STATE_FILE), read here
-without its model: `delete` loads only what finding out needs."""
-
 STALE_AFTER = 30.0
 """Seconds a state directory without shim.json must be left unchanged before a sweep takes
 it for one a killed `delete` half removed (`start` writes shim.json as it makes it)."""
@@ -81,7 +77,7 @@ def _unshared_by_its_daemon(namespace: str, group: str, container_id: str) -> bo
     if not (isinstance(pid, int) and is_our_shim(pid)):
         return False
     try:
-        with open(os.path.join(paths.state_dir(namespace, group), POD_STATE), "rb") as f:
+        with open(os.path.join(paths.state_dir(namespace, group), paths.POD_STATE_FILE), "rb") as f:
             record = lightjson.loads(f.read())
     except FileNotFoundError:
         return True

@@ -20,6 +20,9 @@ except ImportError:
 
 SOCKET_DIR = "/run/containerd/s"
 STATE_ROOT = "/run/podvm"
+POD_STATE_FILE = "sandbox.json"
+"""In a pod's state directory: what its daemon made on the host (shim/host/podstate.py),
+which `delete` also reads without the model (shim/host/leftovers.py)."""
 SANDBOX_ID_ANNOTATION = "io.kubernetes.cri.sandbox-id"
 RUNTIME_OPTIONS_FILE = "runtime-options.pb"
 """In the bundle: the runtime options `start` got on its stdin, as containerd marshalled

@@ -17,8 +17,9 @@ from cgroups import SandboxLayout
 from ..dataclassjson import ShapeError, dataclass_from_json, to_json
 from ..network.model import PodNetwork
 from ..resources import SandboxPlan
+from . import paths
 
-STATE_FILE = "sandbox.json"
+STATE_FILE = paths.POD_STATE_FILE
 VERSION = 1
 """Raised whenever a field's meaning changes; a reader refuses versions it does not know."""
 

@@ -16,7 +16,7 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
-from shim.host import leftovers, paths
+from shim.host import paths
 from testbed.containerd import shims_of
 from testbed.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers, run_shim,
                               wait_gone)
@@ -108,7 +108,7 @@ def test_delete_of_a_container_unmounts_it_in_the_pod_s_namespace(started, tmp_p
         subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "mount", "-t", "tmpfs",
                         "tmpfs", str(point)], check=True)
         assert str(point) in mount_points(pid) and str(point) not in mount_points("self")
-    record = pathlib.Path(f"/run/podvm/{NS}/sb1/{leftovers.POD_STATE}")
+    record = pathlib.Path(f"/run/podvm/{NS}/sb1/{paths.POD_STATE_FILE}")
     record.write_text(json.dumps({"rootfs": {"c1": str(workload / "rootfs")}}))
     try:
         result = run_shim(workload, "c1", "delete", grpc_address)
