@@ -102,7 +102,8 @@ def _server_part(cmdline: bytes) -> bool:
 
 def _stop_fork_servers(pids: set[int], wait: float = 5.0) -> bool:
     """Whether nothing uses a tree whose users are `pids`: none, or only fork servers
-    (and their worker parents), stopped now (SIGTERM: each removes its socket; its next `start` spawns another)."""
+    (and their worker parents), stopped now (SIGTERM: each removes its socket; its next
+    `start` spawns another)."""
     cmdlines = {pid: _cmdline(pid) for pid in pids}
     if not all(_server_part(c) for c in cmdlines.values() if c is not None):  # None: gone
         return False

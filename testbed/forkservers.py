@@ -47,7 +47,6 @@ def stop_own(wait: float = 10.0) -> list[int]:
     return left
 
 
-
 def wait_loaded(timeout: float = 60.0) -> bool:
     """Whether a fork server of this checkout's code runs with its worker parent (loaded
     as far as a process list tells) within `timeout` seconds: what a node where pods have

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from podvm_core.treegc import WORKER_PARENT
+
 from .namespaces import run_namespace
 
 SHIM = str(pathlib.Path(sys.executable).parent / "containerd-shim-podvm-v2")
@@ -72,10 +74,10 @@ async def wait_gone(pid: int, timeout: float = 5) -> None:
     assert not alive(pid), f"shim daemon {pid} still running"
 
 
-WORKER = b"\0shim.network.worker\0"
-PARENT = b"\0--parent\0"
+WORKER, PARENT = WORKER_PARENT
 """Command-line marks of a network worker, and of a fork server's worker parent and the
-workers it forks, which have its command line (shim/contract/workerparent.py)."""
+workers it forks, which have its command line (shim/contract/workerparent.py): the tree
+collector's (podvm_core/treegc.py)."""
 
 
 def processes(*marks: bytes, parent: int | None = None) -> list[tuple[int, int]]:
@@ -105,17 +107,22 @@ def network_workers(daemon_pid: int) -> list[int]:
             pid in forked and socket_peers(pid) & _sockets(daemon_pid)]
 
 
-def _sockets(pid: int) -> set[int]:
-    """The inodes of the sockets `pid` holds."""
-    inodes = set()
+def socket_fds(pid: int) -> dict[int, int]:
+    """`pid`'s descriptors that are sockets, and their inodes."""
+    fds = {}
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
             if link.startswith("socket:["):
-                inodes.add(int(link[8:-1]))
+                fds[int(fd)] = int(link[8:-1])
     except OSError:
         pass
-    return inodes
+    return fds
+
+
+def _sockets(pid: int) -> set[int]:
+    """The inodes of the sockets `pid` holds."""
+    return set(socket_fds(pid).values())
 
 
 def socket_peers(pid: int) -> set[int]:

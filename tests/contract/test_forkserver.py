@@ -22,7 +22,8 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
 from testbed.shimproc import (NS, PARENT, WORKER, alive, make_bundle,
-                              network_workers, processes, run_shim, socket_peers)
+                              network_workers, processes, run_shim, socket_fds,
+                              socket_peers)
 
 TASK = "containerd.task.v2.Task"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -310,16 +311,6 @@ def worker_parents(server: int) -> set[int]:
     return {pid for pid, _ in processes(WORKER, PARENT, parent=server)}
 
 
-def _socket_fds(pid: int) -> dict[int, int]:
-    """`pid`'s descriptors that are sockets, and their inodes."""
-    fds = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        if link.startswith("socket:["):
-            fds[int(fd)] = int(link[8:-1])
-    return fds
-
-
 def _fd_flags(pid: int, fd: int) -> int:
     with open(f"/proc/{pid}/fdinfo/{fd}") as f:
         return next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
@@ -361,7 +352,7 @@ async def test_each_daemon_gets_its_network_workers_forked_loaded_and_none_is_le
     assert processes(WORKER, PARENT, parent=parent) == [(worker, parent)]  # forked
     # The daemon holds the parent's socket close-on-exec: the pod's QEMU and virtiofsd,
     # which it executes, never hold a way to ask root's worker for a netns of their choice.
-    held = [fd for fd, inode in _socket_fds(daemon).items() if inode in socket_peers(parent)]
+    held = [fd for fd, inode in socket_fds(daemon).items() if inode in socket_peers(parent)]
     assert len(held) == 1, held
     assert _fd_flags(daemon, held[0]) & os.O_CLOEXEC
 
