@@ -79,12 +79,30 @@ def power_loss(ctd: Containerd, pod_ids: list[str]) -> list[int]:
     if ctd.process is not None:
         ctd.process.wait(timeout=30)  # our child: reaped here
     deadline = time.monotonic() + 30
-    while [p for p in pids if psutil.pid_exists(p) and
-           psutil.Process(p).status() != psutil.STATUS_ZOMBIE]:
+    while left := [p for p in pids if _threads_left(p)]:
         if time.monotonic() > deadline:
-            raise AssertionError(f"still running after SIGKILL: {pids}")
+            raise AssertionError(f"still running after SIGKILL: {left}")
         time.sleep(0.1)
     return pids
+
+
+def _threads_left(pid: int) -> bool:
+    """Whether a thread of process `pid` has yet to exit. A killed process's leader is a
+    zombie as soon as it exits, while its other threads may still be exiting (a QEMU's
+    vCPU threads, each in the pod's vCPU cgroup until it has: a cgroup's removal
+    before then fails with EBUSY)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if stat[stat.rindex(")") + 2] not in "ZX":
+            return True
+    return False
 
 
 def boot(ctd: Containerd, pod_ids: list[str], netns_paths: list[str],
