@@ -128,7 +128,8 @@ def warm_fork_server(ctd: Containerd, work: pathlib.Path, tag: str,
                      shape: tuple[int, int]) -> None:
     """One pod started and removed first, as on a node where pods have been starting: the
     shim's fork server up and its worker parent loaded (shim/contract/forkserver.py), which
-    a node's first pod spawns and which exits after 10 idle minutes."""
+    a node's first pod spawns and which stays while pods it forked run, then exits after
+    10 idle minutes."""
     pod = PodRun(f"{tag}-warm", shape, "podvm")
     with CriClient(ctd.cri_endpoint, timeout=CALL_TIMEOUT) as client:
         start_pod(client, ctd, work, pod)

@@ -1,8 +1,8 @@
 """The shim's fork servers (shim/contract/forkserver.py) that this checkout's code
-started: on a node a fork server outlives its pods by design (it exits after 10 idle
-minutes), but a test run or the demo leaves nothing running, so each stops its own at its
-end. Another checkout's or an installed podvm's servers have another code identity in
-their socket's name and are left alone."""
+started: on a node a fork server outlives its pods by design (it exits once no pod it
+forked runs and it has been idle 10 minutes), but a test run or the demo leaves nothing
+running, so each stops its own at its end. Another checkout's or an installed podvm's
+servers have another code identity in their socket's name and are left alone."""
 from __future__ import annotations
 
 import os

@@ -8,10 +8,14 @@ where that `start`'s daemon would: containerd's cgroup, the host's namespaces, i
 limits; a request from a process elsewhere (another cgroup or namespace) is refused,
 and so is one from a peer that is not root (SO_PEERCRED). It never runs an event loop
 nor a thread (each daemon makes its own loop, and unshare(2) needs one thread). It goes
-when idle for IDLE_EXIT seconds, or when its code is no longer what a new `start` runs
-(an upgrade, an edit), so that the tree collector can remove an old tree."""
+once it has forked nothing for IDLE_EXIT seconds and no daemon it forked still runs, or
+when its code is no longer what a new `start` runs (an upgrade, an edit), so that the
+tree collector can remove an old tree. While its pods run it stays, with its worker
+parent (workerparent.py): their removal forks their network workers loaded, however long
+ago they started, and a pod started after a lull is forked warm."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
@@ -20,6 +24,7 @@ import select
 import signal
 import socket
 import stat
+import struct
 import time
 
 from podvm_core import trees
@@ -31,8 +36,8 @@ from .forkclient import MAX_MESSAGE, directory, lock_path, peer, socket_path
 from .proctitle import set_cmdline
 
 IDLE_EXIT = 600.0
-"""Seconds without a request after which the server exits (a node that starts no pod
-keeps no warm parent)."""
+"""Seconds without a request, and without a daemon of its own running, after which the
+server exits (a node that runs no pod of its code keeps no warm parent)."""
 TEST_IDLE_ENV = "PODVM_TEST_FORKSERVER_IDLE"
 """Tests only: a shorter idle time, in seconds (at least 0.2)."""
 CHECK_EVERY = 5.0
@@ -184,19 +189,53 @@ def _listen(path: str) -> socket.socket:
     return listener
 
 
+class Daemons:
+    """The daemons this server forked, by pid, with the start time /proc gives each (a
+    pid reused by another process is not one of them)."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, bytes] = {}
+
+    def add(self, pid: int) -> None:
+        started = _start_time(pid)
+        if started is not None:
+            self._started[pid] = started
+
+    def running(self) -> bool:
+        """Whether one still runs; those gone are forgotten."""
+        self._started = {pid: started for pid, started in self._started.items()
+                         if _start_time(pid) == started}
+        return bool(self._started)
+
+
+def _start_time(pid: int) -> bytes | None:
+    """The process's start time (/proc/PID/stat's 22nd field); None once it is gone or
+    a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19]
+
+
 def _loop(listener: socket.socket, code: str, serve, idle: float,
           workers: WorkerParent) -> None:
     last = checked = time.monotonic()
+    daemons = Daemons()
     while True:
         now = time.monotonic()
-        if now - last >= idle:
-            return
+        quiet = idle - (now - last)
+        if quiet <= 0:
+            if not daemons.running():
+                return
+            quiet = CHECK_EVERY  # idle, but serving its pods: asked again then
         if now - checked >= CHECK_EVERY:
             if not code_identity.current(code) or (
                     code.startswith("tree-") and trees.retired()):
                 return
             checked = now
-        wait = min(idle - (now - last), CHECK_EVERY - (now - checked))
+        wait = min(quiet, CHECK_EVERY - (now - checked))
         if workers.missing():
             if now - last >= PARENT_DELAY:
                 workers.ensure()
@@ -209,12 +248,15 @@ def _loop(listener: socket.socket, code: str, serve, idle: float,
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             continue
         with conn:
-            _serve_one(conn, serve, workers)
+            pid = _serve_one(conn, serve, workers)
+        if pid is not None:
+            daemons.add(pid)
         last = time.monotonic()
 
 
-def _serve_one(conn: socket.socket, serve, workers: WorkerParent) -> None:
-    """One request: a daemon forked, or a refusal sent; never a child left behind."""
+def _serve_one(conn: socket.socket, serve, workers: WorkerParent) -> int | None:
+    """One request: a daemon forked (its pid), or a refusal sent (None); never a child
+    left behind."""
     conn.setblocking(True)
     conn.settimeout(REQUEST_WAIT)
     fds: list[int] = []
@@ -228,7 +270,7 @@ def _serve_one(conn: socket.socket, serve, workers: WorkerParent) -> None:
         request = _request(data, fds)
         _same_place(pid)
         try:
-            _fork(conn, request, fds, serve, workers.fd())
+            return _fork(conn, request, fds, serve, workers.fd())
         finally:
             for fd in fds:
                 os.close(fd)
@@ -240,6 +282,7 @@ def _serve_one(conn: socket.socket, serve, workers: WorkerParent) -> None:
     finally:
         for fd in fds:
             os.close(fd)
+    return None
 
 
 def _answer(conn: socket.socket, answer: dict) -> None:
@@ -282,22 +325,36 @@ def _same_place(pid: int) -> None:
 
 
 def _fork(conn: socket.socket, request: forkchild.Request, fds: list[int], serve,
-          workers_fd: int) -> None:
+          workers_fd: int) -> int | None:
     """The daemon, a grandchild: its parent exits at once, so that (as a daemon `start`
-    forks) it is nobody's child here and the server holds no child."""
-    middle = os.fork()
-    if middle == 0:
-        code = 1
-        try:
-            if os.fork() == 0:
-                forkchild.become_daemon(conn, request, fds[0], fds[1], serve,
-                                        workers_fd)  # never returns
-            code = 0
-        except BaseException as exc:
-            _answer(conn, {"error": f"the fork server could not fork: {exc}"})
-        finally:
-            os._exit(code)
-    os.waitpid(middle, 0)
+    forks) it is nobody's child here and the server holds no child. Its pid, as its
+    parent tells it; None when there is none."""
+    said, tell = os.pipe2(os.O_CLOEXEC)  # the daemon closes both (forkchild._take)
+    try:
+        middle = os.fork()
+        if middle == 0:
+            code = 1
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    forkchild.become_daemon(conn, request, fds[0], fds[1], serve,
+                                            workers_fd)  # never returns
+                code = 0
+                with contextlib.suppress(OSError):
+                    os.write(tell, struct.pack("=i", pid))
+            except BaseException as exc:
+                _answer(conn, {"error": f"the fork server could not fork: {exc}"})
+            finally:
+                os._exit(code)
+        os.close(tell)
+        tell = -1
+        os.waitpid(middle, 0)
+        told = os.read(said, 4)
+        return struct.unpack("=i", told)[0] if len(told) == 4 else None
+    finally:
+        os.close(said)
+        if tell >= 0:
+            os.close(tell)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ children, reaped by the kernel as they exit. A parent that died is started again
 server has been idle DELAY after its last fork (its imports then take no CPU from the pod
 just started); on its way out the server closes its socket, kills the parent and waits for
 it, so that no process of the server's tree outlives it unseen (podvm_core/treegc.py
-counts a tree's users). A daemon whose parent is gone starts its workers itself."""
+counts a tree's users). The server stays while daemons it forked run (forkserver.py), so
+their removal finds the parent however old their pods are. A daemon whose parent is gone
+starts its workers itself."""
 from __future__ import annotations
 
 import os

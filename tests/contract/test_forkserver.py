@@ -241,6 +241,29 @@ def test_the_fork_server_exits_when_idle_and_leaves_nothing(tmp_path, grpc_addre
     assert alive(shim_state("sb1")["pid"])  # its daemons are not its: they serve on
 
 
+def test_the_fork_server_stays_idle_while_a_daemon_it_forked_runs(
+        tmp_path, grpc_address, servers, delete_after) -> None:
+    """A node's pods outlive the server's idle time: their removal still gets network
+    workers forked loaded by its worker parent, and a later pod is forked warm. Once the
+    last of its daemons is gone, the idle server goes. The first `start`'s daemon, which
+    spawned the server rather than being forked by it, does not keep it."""
+    where, env = servers
+    env = {**env, forkserver.TEST_IDLE_ENV: "1"}
+    code = identity.own_name()
+    delete_after.append((start(tmp_path, "sb1", grpc_address, env), env))
+    server = wait_server(where, code)
+    forked = start(tmp_path, "sb2", grpc_address, env)
+    delete_after.append((forked, env))
+    assert shim_state("sb2")["forkserver"] == server
+    time.sleep(3)  # three times its idle time
+    assert alive(server)
+    assert worker_parents(server), "its worker parent is gone"
+    run_shim(forked, "sb2", "delete", grpc_address, env=env)  # sb2's daemon stops
+    _wait(lambda: not alive(server), "the fork server did not exit once idle and alone",
+          timeout=30)
+    assert alive(shim_state("sb1")["pid"])
+
+
 def test_the_tree_collector_stops_a_fork_server_but_keeps_a_tree_a_pod_uses(tmp_path) -> None:
     """A fork server holds its tree (its Python, its modules) but serves no pod: the
     collector (podvm_core/treegc.py) stops it and removes the tree, where a process of a
