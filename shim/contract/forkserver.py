@@ -29,6 +29,7 @@ import time
 
 from podvm_core import trees
 
+from ..host.pids import start_time
 from . import forkchild, identity as code_identity
 from .workerparent import DELAY as PARENT_DELAY, WorkerParent
 from .flags import Flags
@@ -194,29 +195,18 @@ class Daemons:
     pid reused by another process is not one of them)."""
 
     def __init__(self) -> None:
-        self._started: dict[int, bytes] = {}
+        self._started: dict[int, int] = {}
 
     def add(self, pid: int) -> None:
-        started = _start_time(pid)
+        started = start_time(pid)
         if started is not None:
             self._started[pid] = started
 
     def running(self) -> bool:
         """Whether one still runs; those gone are forgotten."""
         self._started = {pid: started for pid, started in self._started.items()
-                         if _start_time(pid) == started}
+                         if start_time(pid) == started}
         return bool(self._started)
-
-
-def _start_time(pid: int) -> bytes | None:
-    """The process's start time (/proc/PID/stat's 22nd field); None once it is gone or
-    a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in (b"Z", b"X") else fields[19]
 
 
 def _loop(listener: socket.socket, code: str, serve, idle: float,
