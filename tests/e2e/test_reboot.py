@@ -11,6 +11,7 @@ Real containerd (Debian's 1.6) and QEMU under TCG: three pods boot (the old pod,
 shape's and, before them, the default shape's template)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -106,6 +107,22 @@ def shim_delete(ctd: Containerd, pod: str) -> int:
     return done.returncode
 
 
+@contextlib.contextmanager
+def throttled(cgroup: str):
+    """The processes below `cgroup` (cgroup v1) given 1% of a CPU in the block (its CFS
+    quota): a template being made there stays half made."""
+    quota = pathlib.Path("/sys/fs/cgroup/cpu", cgroup.strip("/"), "cpu.cfs_quota_us")
+    quota.write_text(str(THROTTLED_QUOTA_US))
+    try:
+        yield
+    finally:
+        quota.write_text("-1")
+
+
+THROTTLED_QUOTA_US = 1000
+"""Of the default 100 ms period."""
+
+
 def warm(config: str) -> None:
     done = subprocess.run([sys.executable, "-m", "podvmctl.cli", "templates", "warm",
                            "--config", config], capture_output=True, text=True, timeout=300)
@@ -120,12 +137,17 @@ def test_a_node_reboot_leaves_nothing_stale_and_blocks_no_pod(node) -> None:
     kept = template_keys(store)
     assert len(kept) == 1, kept
 
-    # Before: a pod of a new shape runs a container; its shim makes the shape's template
+    # Before: a pod of a new shape runs a container while its shim makes the shape's
+    # template, which it starts as the pod's boot ends. The template is held half made
+    # until the power goes, whatever the machine's speed: it was made in 11 s once, before
+    # the container ran, and the test found nothing to catch it making.
     old, old_file = runp(crictl, node, "before", annotations=NEW_SHAPE)
-    run_container(crictl, node, old, old_file, "before")
     wait_for("the template's VM", lambda: template_vm(old), timeout=120)
     wait_for("the template's files", lambda: making_files(store), timeout=60)
-    netns = reboot.network_namespace(crictl, old)
+    with throttled(node["template_cgroup"]):
+        run_container(crictl, node, old, old_file, "before")
+        netns = reboot.network_namespace(crictl, old)
+        assert template_vm(old) and making_files(store), "the template was made meanwhile"
 
     killed = reboot.power_loss(ctd, [old])
     assert len(killed) >= 4, killed  # containerd, the shim, the pod's QEMU and template's
