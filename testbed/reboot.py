@@ -34,6 +34,7 @@ import time
 
 import psutil
 
+from podvm_core.treegc import alive
 from shim.host import jailids, paths
 
 from .containerd import CRI_NAMESPACE, Containerd, cgroup_dirs, mounts_under, shims_of
@@ -95,14 +96,7 @@ def _threads_left(pid: int) -> bool:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
-    for tid in tids:
-        try:
-            stat = pathlib.Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if stat[stat.rindex(")") + 2] not in "ZX":
-            return True
-    return False
+    return any(alive(int(tid)) for tid in tids)  # /proc/TID is each thread's too
 
 
 def boot(ctd: Containerd, pod_ids: list[str], netns_paths: list[str],

@@ -17,7 +17,7 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from shim.contract.delete import KILLED, delete_response
-from shim.host import leftovers
+from shim.host import leftovers, paths
 from shim.host.pids import SHIM_BINARY, is_our_shim
 from testbed.shimproc import NS, SHIM, make_bundle
 
@@ -140,7 +140,7 @@ def test_delete_of_a_workload_container_of_a_live_pod_reads_its_daemon_s_record(
         assert is_our_shim(daemon.pid)
         (state_dir / "shim.json").write_text(json.dumps({"pid": daemon.pid}))
         if record is not None:
-            (state_dir / leftovers.paths.POD_STATE_FILE).write_text(json.dumps({"version": 1, **record}))
+            (state_dir / paths.POD_STATE_FILE).write_text(json.dumps({"version": 1, **record}))
         assert leftovers.left_behind(NS, "live-c1", str(bundle)) == left
         assert leftovers.left_behind(NS, "live-sb", str(make_bundle(
             tmp_path, "live-sb", sandbox_id="live-sb")))  # the pod's own: its state
