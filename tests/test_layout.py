@@ -205,7 +205,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/network/ahead.py",
      "shim.network.remote"):
         "a pod with a network only: the idle daemon holds a WorkerAhead",
-    ("shim/vm/machine.py",
+    ("shim/vm/vmnetwork.py",
      "shim.network.portforward"):
         "a pod with a network only",
     ("shim/vm/stdio.py",

@@ -3,8 +3,9 @@ interface (shim/vm/hypervisor.py), the guest agent, the sandbox cgroup, the shar
 directory with every container's rootfs and files, the taps. The Pod (shim/pod/pod.py)
 owns one Machine per boot and calls it; nothing else reaches into it. The Machine holds
 where the VM's threads run in a VMThreads (shim/cpus/vmthreads.py), the plan in force and
-its steps in a VMResizer (shim/vm/resize.py) and its templates in a Restorer
-(shim/vm/template/restore.py), handing each the VM and agent it acts on.
+its steps in a VMResizer (shim/vm/resize.py), its templates in a Restorer
+(shim/vm/template/restore.py) and its network in a VMNetwork (shim/vm/vmnetwork.py),
+handing each the VM and agent it acts on.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -26,9 +27,6 @@ from ..host.mounts import Mount
 from ..host.podstate import PodState, state_path
 from ..host.processes import start_time
 from ..host.share import Share
-from ..network.ahead import WorkerAhead
-from ..network.errors import NetworkError
-from ..network.model import PodNetwork, TapNic
 from ..resources import SandboxPlan
 from . import guestspec, scratchgrow, vmm, vmmlog, workdir
 from .agent import Agent
@@ -36,11 +34,12 @@ from .hypervisor import VM, HypervisorError, VMSpec
 from .resize import VMResizer
 from .template import template as templates
 from .template.restore import Restorer
+from .vmnetwork import VMNetwork
 
 if TYPE_CHECKING:
     from podvm_core.pb.agent import agent_pb2 as pb
 
-    from ..network.portforward import PortForwarder
+    from ..network.ahead import WorkerAhead
     from ..resources import PlanDelta
 
 log = logging.getLogger("podvm.machine")
@@ -60,10 +59,8 @@ class Machine:
         metrics. `log_directory`: kubelet's directory of the pod's logs, where its scratch
         disk is shown (shim/host/podlogdisk.py)."""
         self.id = sandbox_id
-        self.netns = netns
         self._log_directory = log_directory
         self._disk_shown: podlogdisk.Shown | None = None
-        self._network_worker = network_worker
         self.config = config
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
                                  shim_in_sandbox=config.runtime.sandbox_cgroup_only,
@@ -82,7 +79,7 @@ class Machine:
         self.resizer = VMResizer(sandbox_id, plan, self.cgroup, self.threads, self.record)
         self.restorer = Restorer(sandbox_id, self.cgroup,
                                  config.runtime.static_sandbox_resource_mgmt, self.record)
-        self._port_forwarder: "PortForwarder | None" = None
+        self.network = VMNetwork(sandbox_id, netns, network_worker, self.record)
 
     @property
     def plan(self) -> SandboxPlan:
@@ -159,13 +156,14 @@ class Machine:
         vm = vmm.create(spec)
         # the disk's claim is the plan in sandbox.json: checked against the others' first
         with diskreserve.reserving(self.config.qemu, self.id, self.plan.disk_mib):
-            self.record(qmp_socket=vm.control_socket, netns=self.netns)
+            self.record(qmp_socket=vm.control_socket, netns=self.network.netns)
         vm.check_files()  # a missing kernel is refused before any cgroup is made
         self.cgroup.create(self.plan)
         self.vm = vm
         try:
-            if self.netns:
-                nics = await self._attach_network(spec)
+            if self.network.netns:  # the interfaces named start the template's copy
+                nics = await self.network.attach(
+                    lambda network: self.restorer.copy_ahead(spec, network))
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
             started = time.monotonic()
             try:
@@ -238,13 +236,9 @@ class Machine:
             placing.cancel()
             await asyncio.gather(placing, return_exceptions=True)
             raise
-        # The agent takes the network before it has answered the ping: one round trip less.
-        network = self.state.network
         info, *_ = await _together(
             self.agent.ping(timeout=timeout), placing,
-            *([self._configure_guest_network(network, timeout)]
-              if network is not None and network.interfaces else []),
-            *([self._forward_ports()] if self.netns else []))
+            *self.network.in_guest(self.agent, self.state.network, timeout))
         return info
 
     async def _boot_failed(self, vm: VM, exc: BaseException) -> None:
@@ -258,43 +252,6 @@ class Machine:
         await self.shutdown()
         if gone is not None:
             raise gone from None
-
-    async def _configure_guest_network(self, network: PodNetwork, timeout: float) -> None:
-        """`timeout`: the boot's, as for the ping: the agent may not have answered yet."""
-        assert self.agent is not None
-        started = time.monotonic()
-        await self.agent.configure_network(network, timeout)
-        log.info("sandbox %s: guest network configured in %.2fs", self.id,
-                 time.monotonic() - started)
-
-    async def _attach_network(self, spec: VMSpec) -> tuple[TapNic, ...]:
-        """The pod's interfaces bridged to taps by its network worker, recorded; the taps'
-        descriptors are the caller's to hand to QEMU and close. The interfaces, named
-        first, pick the template for `spec` and begin its copy meanwhile."""
-        assert self._network_worker is not None
-        network, nics = await self._network_worker.attach(
-            self.netns, lambda network: self.restorer.copy_ahead(spec, network))
-        self.record(network=network, taps=tuple(n.tap for n in nics))
-        for itf in network.interfaces:
-            log.info("sandbox %s: %s (%s, MTU %d, %s) bridged into the VM", self.id,
-                     itf.name, itf.mac, itf.mtu, ", ".join(map(str, itf.addresses)) or
-                     "no address")
-        return nics
-
-    async def _forward_ports(self) -> None:
-        """CRI PortForward into the VM (shim/network/portforward.py). A pod whose
-        namespace refuses it still runs: only `kubectl port-forward` to it fails, and
-        the log says why."""
-        from ..network.portforward import PortForwarder  # only for a pod with a network
-
-        assert self.agent is not None
-        forwarder = PortForwarder(self.id, self.netns, self.agent)
-        try:
-            await forwarder.start()
-        except NetworkError as exc:
-            log.error("sandbox %s: no port forwarding: %s", self.id, exc)
-            return
-        self._port_forwarder = forwarder
 
     def _launching(self, vm: VM) -> None:
         """The VM being started: the one shutdown() stops (Restorer.launch tells it)."""
@@ -338,15 +295,7 @@ class Machine:
     async def shutdown(self) -> None:
         """Stop the VM and remove everything of the sandbox on the host but the state
         directory itself (the daemon removes that last). Idempotent."""
-        # the worker that detaches the network starts now: forked loaded by the fork
-        # server's worker parent, or else its imports overlap the VM's stop
-        network = self._network_worker or WorkerAhead()
-        detacher = asyncio.ensure_future(network.start()) if self.state.netns else None
-        try:
-            await self._stop_vm()
-        finally:
-            if detacher is not None:
-                await self._detach(network, detacher)
+        await self.network.detach_after(self._stop_vm(), self.state.netns, self.state.taps)
         self.cgroup.destroy()
         for container_id in list(self.state.rootfs):
             self.unshare_container(container_id)
@@ -356,9 +305,7 @@ class Machine:
         self.record(qemu_pid=0, qemu_start_time=None, qemu_jail_id=None)
 
     async def _stop_vm(self) -> None:
-        if self._port_forwarder is not None:  # before the agent, which carries its bytes
-            forwarder, self._port_forwarder = self._port_forwarder, None
-            await forwarder.stop()
+        await self.network.stop_forwarding()  # before the agent, which carries its bytes
         if self.agent is not None:
             agent, self.agent = self.agent, None
             try:
@@ -373,18 +320,6 @@ class Machine:
         podlogdisk.hide(self._disk_shown)  # the disk's blocks free with its last name
         self._disk_shown = None
         await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
-
-    async def _detach(self, network: WorkerAhead, started: Awaitable[None]) -> None:
-        try:
-            await started
-            await network.detach(self.state.netns, self.state.taps)
-            # Detached: the daemon's last cleanup (shim/host/cleanup.py) starts no worker
-            # to do it again. It did, on every pod's way out, and the `delete` containerd
-            # runs as the daemon goes killed the daemon under it: the orphan kept using
-            # the install tree while the last collector of an uninstalled tree looked.
-            self.record(netns="", taps=())
-        except (NetworkError, OSError) as exc:  # the rest still goes; delete tries again
-            log.error("sandbox %s: detaching the network: %s", self.id, exc)
 
 
 async def _together(*steps: Awaitable[T]) -> list[T]:
