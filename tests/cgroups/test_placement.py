@@ -73,18 +73,56 @@ def test_placing_vcpu_threads_moves_only_those_threads(manager, layout, start_qe
         assert where(manager, qemu.pid, tid) == expected, tid
 
 
+def _seen(proc_self_cgroup: str, expected: dict[str, str]) -> dict[str, str]:
+    """/proc/PID/cgroup's paths, by controller (or `unified`), of those `expected` names."""
+    seen = {}
+    for line in proc_self_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else ["unified"]:
+            seen[name] = path
+    return {k: v for k, v in seen.items() if k in expected}
+
+
 def test_a_process_is_inside_before_it_execs(manager, layout, processes):
     sandbox = SandboxCgroup.create(layout, manager=manager)
     proc = processes.add(sandbox.spawn(["cat", "/proc/self/cgroup"], stdout=subprocess.PIPE,
                                        text=True))
     out, _ = proc.communicate(timeout=10)
-    seen = {}
-    for line in out.splitlines():
-        _, controllers, path = line.split(":", 2)
-        for name in controllers.split(",") if controllers else ["unified"]:
-            seen[name] = path
     expected = expected_for(manager, layout, None)
-    assert {k: v for k, v in seen.items() if k in expected} == expected
+    assert _seen(out, expected) == expected
+
+
+PLACED_PARENT = """
+import json, os, subprocess, sys
+from cgroups.sandbox import SandboxCgroup
+enter = SandboxCgroup.from_state(json.loads(sys.argv[1])).preexec()
+child = subprocess.run(["cat", "/proc/self/cgroup"], preexec_fn=enter, capture_output=True,
+                       text=True, check=True).stdout
+opened, real_open = [], os.open
+os.open = lambda path, *args: opened.append(path) or real_open(path, *args)
+enter()  # here: what the child ran, without the fork (this process is inside already)
+os.open = real_open
+print(json.dumps({"opened": opened, "child": child}))
+"""
+"""A process in the sandbox cgroup (a shim placed there) forks a child with preexec()."""
+
+
+def test_a_parent_inside_forks_its_child_inside_with_no_move(manager, layout, processes):
+    """A parent in the sandbox cgroup gets a preexec that writes nothing (the move would
+    wait out an RCU grace period to go nowhere), and its child is inside all the same;
+    the test's own process, outside, still gets the one that moves the child."""
+    sandbox = SandboxCgroup.create(layout, manager=manager)
+    assert sandbox.preexec().__name__ == "enter_sandbox_cgroup"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = processes.add(sandbox.spawn(
+        [sys.executable, "-c", PLACED_PARENT, json.dumps(sandbox.to_state())], cwd=root,
+        stdout=subprocess.PIPE, text=True))
+    out, _ = parent.communicate(timeout=30)
+    assert parent.returncode == 0
+    got = json.loads(out)
+    assert got["opened"] == []
+    expected = expected_for(manager, layout, None)
+    assert _seen(got["child"], expected) == expected
 
 
 def test_threads_made_later_are_caught(manager, layout, start_helper):
