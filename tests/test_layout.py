@@ -208,6 +208,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("shim/vm/vmnetwork.py",
      "shim.network.portforward"):
         "a pod with a network only",
+    ("shim/vm/memcopy.py",
+     "ctypes"):
+        "a template's making only: a restore's copier starts without it",
     ("shim/vm/stdio.py",
      "podvm_core.pb.agent.agent_pb2"):
         "a pod's first Create, not the idle daemon",
