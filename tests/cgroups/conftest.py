@@ -132,15 +132,21 @@ def layout(test_root: str) -> SandboxLayout:
                          secrets.token_hex(32))
 
 
-def proc_cgroups(pid: int, tid: int) -> dict[str, str]:
-    """A thread's cgroups, read here without the package: controller (or `unified`)."""
+def cgroups_of(text: str) -> dict[str, str]:
+    """A /proc/.../cgroup file's text, read here without the package: controller (or
+    `unified`) -> path."""
     out = {}
-    with open(f"/proc/{pid}/task/{tid}/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for name in controllers.split(",") if controllers else ["unified"]:
-                out[name] = path
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else ["unified"]:
+            out[name] = path
     return out
+
+
+def proc_cgroups(pid: int, tid: int) -> dict[str, str]:
+    """A thread's cgroups: controller (or `unified`) -> path."""
+    with open(f"/proc/{pid}/task/{tid}/cgroup") as f:
+        return cgroups_of(f.read())
 
 
 def expected_for(manager: CgroupManager, layout: SandboxLayout, child: str | None

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from cgroups import NotInSandbox, SandboxCgroup
-from tests.cgroups.conftest import expected_for, proc_cgroups, threads_of, where
+from testbed.containerd import REPO_ROOT
+from tests.cgroups.conftest import cgroups_of, expected_for, proc_cgroups, threads_of, where
 
 
 def sandbox_dirs(manager, layout) -> list[str]:
@@ -75,12 +76,7 @@ def test_placing_vcpu_threads_moves_only_those_threads(manager, layout, start_qe
 
 def _seen(proc_self_cgroup: str, expected: dict[str, str]) -> dict[str, str]:
     """/proc/PID/cgroup's paths, by controller (or `unified`), of those `expected` names."""
-    seen = {}
-    for line in proc_self_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        for name in controllers.split(",") if controllers else ["unified"]:
-            seen[name] = path
-    return {k: v for k, v in seen.items() if k in expected}
+    return {k: v for k, v in cgroups_of(proc_self_cgroup).items() if k in expected}
 
 
 def test_a_process_is_inside_before_it_execs(manager, layout, processes):
@@ -113,9 +109,8 @@ def test_a_parent_inside_forks_its_child_inside_with_no_move(manager, layout, pr
     the test's own process, outside, still gets the one that moves the child."""
     sandbox = SandboxCgroup.create(layout, manager=manager)
     assert sandbox.preexec().__name__ == "enter_sandbox_cgroup"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     parent = processes.add(sandbox.spawn(
-        [sys.executable, "-c", PLACED_PARENT, json.dumps(sandbox.to_state())], cwd=root,
+        [sys.executable, "-c", PLACED_PARENT, json.dumps(sandbox.to_state())], cwd=REPO_ROOT,
         stdout=subprocess.PIPE, text=True))
     out, _ = parent.communicate(timeout=30)
     assert parent.returncode == 0
