@@ -5,6 +5,8 @@ daemon pays for ctypes. A caller that forks a helper which must import nothing c
 `libc()` before the fork."""
 from __future__ import annotations
 
+import mmap
+
 _handle = None
 
 
@@ -52,3 +54,29 @@ def die_with_parent() -> None:
     the install tree when the last collector of an uninstalled tree looks)."""
     if libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0):
         raise OSError(last_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def page_cached(fd: int, size: int) -> bytes:
+    """Which pages of the file `fd`'s first `size` bytes are in the host's page cache
+    (mincore(2) over a shared read-only mapping of them, which touches none): one byte a
+    page, its lowest bit set where the page is cached."""
+    import ctypes  # loaded by libc() already, as in last_errno
+
+    if size <= 0:
+        return b""
+    lib = libc()
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_long]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    address = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(last_errno(), "mmap")
+    try:
+        pages = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        if lib.mincore(address, size, pages):
+            raise OSError(last_errno(), "mincore")
+        return pages.raw
+    finally:
+        lib.munmap(address, size)

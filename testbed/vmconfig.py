@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import pathlib
@@ -22,20 +23,34 @@ QEMU_VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 VIRTIOFS_DAEMONS = ("qemu-7.2", "rust")
 """The virtiofsds podvm speaks to (shim/vm/virtiofsd.py), by virtiofs_daemon()'s names."""
 # The templates pods of this run make and restore (shim/vm/template/template.py): this
-# process's own, removed by remove_templates() when the run ends.
+# process's own, removed by remove_templates() when it exits (a test run or a bench).
 TEMPLATES = pathlib.Path(tempfile.gettempdir()) / f"podvm-templates-{os.getpid()}"
 TEMPLATE_CGROUP = f"/podvm-test-templates-{os.getpid()}"
-"""Where this run's templates are made (shim/vm/template/maker.py): removed with them."""
+"""Where this run's templates are made and cached (shim/vm/template/maker.py, cache.py):
+removed with them."""
+_OWNER = os.getpid()
 
 
 def remove_templates() -> None:
     shutil.rmtree(TEMPLATES, ignore_errors=True)
     shutil.rmtree(f"{TEMPLATES}-scratch", ignore_errors=True)
     for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
-        try:  # empty: each template's own cgroup went with its VM
-            (hierarchy / TEMPLATE_CGROUP.lstrip("/")).rmdir()
-        except OSError:
-            pass
+        top = hierarchy / TEMPLATE_CGROUP.lstrip("/")
+        # each template's own cgroup went with its VM; what is left, the page cache's
+        # (shim/vm/template/cache.py), holds pages and no process: children first
+        below = sorted((str(d) for d in top.rglob("*") if d.is_dir()), reverse=True) \
+            if top.is_dir() else []
+        for directory in below + [str(top)]:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+
+
+@atexit.register
+def _remove_own_templates() -> None:
+    if os.getpid() == _OWNER:  # not a forked child's, which names the same ones
+        remove_templates()
 
 
 VMMS = ("qemu", "fake")

@@ -29,9 +29,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI a skipped test is a failed run, whatever route it took (pytest.skip,
     a skip mark, an expected failure): every test must run there."""
     remove_run_namespaces()
-    from testbed.vmconfig import remove_templates
-
-    remove_templates()  # the run's (the pods of its shapes made them)
     if IN_CI and _skipped:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

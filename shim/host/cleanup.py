@@ -245,8 +245,8 @@ def destroy_cgroups(state: CgroupState) -> None:
 
 def remove_parent_if_empty(state: CgroupState) -> None:
     """The cgroup above `state`'s sandbox cgroup (template_cgroup, where templates are
-    made), once nothing else is in it: nothing of the templates stays in the node's
-    cgroups between makes."""
+    made), once nothing else is in it: between makes, nothing of the templates stays in
+    the node's cgroups but the page cache's (shim/vm/template/cache.py)."""
     manager = cgroups.manager_from_state(dict(state.manager))
     hierarchies = manager.hierarchies if isinstance(manager, cgroups.CgroupV1Manager) \
         else (manager.hierarchy,)

@@ -118,7 +118,7 @@ class MemoryAhead(Protocol):
     MemoryCopy): launch() takes the descriptor and the copy under way."""
     saved: SavedVM
 
-    def take(self) -> tuple[int, asyncio.Future[None]]: ...
+    def take(self) -> tuple[int, asyncio.Future[str]]: ...
 
 
 def template_mac(index: int) -> str:

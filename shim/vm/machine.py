@@ -314,7 +314,7 @@ class Machine:
                 log.debug("agent shutdown: %s", exc)
             await agent.close()
         self.threads.stop()
-        await self.restorer.cancel_template()  # its VM stopped, its files gone
+        await self.restorer.cancel_background()  # its VM stopped, its files gone
         if self.vm is not None:
             await self.vm.stop(timeout=5)
         podlogdisk.hide(self._disk_shown)  # the disk's blocks free with its last name

@@ -1,17 +1,21 @@
 """A template's memory copied into the memfd a restored VM runs on, and hashed in the
 same pass. The shim runs this file as a process of its own (`python -I -S`, standard
 library only: it imports nothing of podvm) started in the pod's sandbox cgroup, so the
-pages it writes are charged to the pod whichever cgroup the shim is in; it reads past
-the host's page cache (O_DIRECT) where the file system allows it, so nothing is charged
-to the first pod that read the template either.
+pages it writes are charged to the pod whichever cgroup the shim is in. What it reads is
+never charged to the pod: a template the node keeps in its page cache (warm: its pages
+charged to the templates' cache cgroup, shim/vm/template/cache.py) is read from there,
+and a template that is not is read past the page cache (O_DIRECT, where the file system
+allows it), so nothing is charged to the first pod that read it either.
 
 The digest of a file (shim/vm/stateload.py records and checks it) is SHA-256 over its
 data extents, each as its offset and length (8 bytes each, little-endian) then its
 bytes: holes cost nothing to hash or copy, and a hole made data, or the other way, is a
 change.
 
-usage: python -I -S memcopy.py PATH SIZE SHA256 MEMFD
-exit 0: copied and unchanged; 1: not (what went wrong is on stderr)."""
+usage: python -I -S memcopy.py PATH SIZE SHA256 MEMFD [RESIDENT]
+         exit 0: copied and unchanged; 1: not (what went wrong is on stderr).
+       python -I -S memcopy.py --warm PATH
+         PATH's data read into the page cache, charged to this process's cgroup."""
 from __future__ import annotations
 
 # What a copier's start imports is on a restore's longest step: not typing (7 ms here),
@@ -32,6 +36,7 @@ BUFFERS = 4  # read ahead: 8 MiB, for the copier's short life
 ALIGN = 4096  # O_DIRECT's unit, and a page: a multiple of every logical block size in use
 ZERO_PAGE = bytes(ALIGN)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def extents(fd: int):
@@ -62,28 +67,32 @@ def hashed(fd: int, h, buffer: memoryview):
         yield offset, chunk
 
 
-def _reads(fd: int, take, extent):
+def _reads(fd: int, take, extent, read_from=None):
     """(offset, bytes read) of every data extent's chunks, each read into the buffer
-    take() gives (as long as CHUNK); extent() is given each extent's header first."""
+    take() gives (as long as CHUNK), never across a multiple of CHUNK in the file, from
+    the descriptor read_from(offset) gives (else `fd`'s); extent() is given each extent's
+    header first."""
     for offset, length in extents(fd):
         extent(struct.pack("<QQ", offset, length))
         done = 0
         while done < length:
-            buffer = take()
+            at, buffer = offset + done, take()
             # O_DIRECT reads whole blocks: the file's last one may go past its end.
-            want = min(CHUNK, -(-(length - done) // ALIGN) * ALIGN)
-            got = min(os.preadv(fd, [buffer[:want]], offset + done), length - done)
+            want = min(CHUNK - at % CHUNK, -(-(length - done) // ALIGN) * ALIGN)
+            got = min(os.preadv(fd if read_from is None else read_from(at),
+                                [buffer[:want]], at), length - done)
             if got <= 0:
-                raise OSError(errno.EIO, f"ended at {offset + done}, not {offset + length}")
-            yield offset + done, buffer[:got]
+                raise OSError(errno.EIO, f"ended at {at}, not {offset + length}")
+            yield at, buffer[:got]
             done += got
 
 
-def read_ahead(fd: int, h):
-    """hashed()'s chunks, hashed into `h`, read by a thread of its own into BUFFERS
-    buffers in turn: the next are read from the disk while the caller copies this one
-    (the disk's reads take about as long as the hash and the copy together). A chunk is
-    the caller's until it asks for the next."""
+def read_ahead(fd: int, h, read_from=None):
+    """hashed()'s chunks (each from read_from(offset)'s descriptor where given), hashed
+    into `h`, read by a thread of its own into BUFFERS buffers in turn: the next are read
+    from the disk while the caller copies this one (the disk's reads take about as long
+    as the hash and the copy together). A chunk is the caller's until it asks for the
+    next."""
     free: SimpleQueue[memoryview] = SimpleQueue()
     full: SimpleQueue = SimpleQueue()
     for _ in range(BUFFERS):
@@ -91,7 +100,7 @@ def read_ahead(fd: int, h):
 
     def read() -> None:
         try:
-            for offset, chunk in _reads(fd, free.get, full.put):
+            for offset, chunk in _reads(fd, free.get, full.put, read_from):
                 full.put((offset, chunk))
             full.put(None)
         except BaseException as exc:  # the caller's to raise
@@ -147,28 +156,56 @@ def _punch(fd: int, offset: int, length: int) -> None:
 def open_direct(path: str) -> int:
     """`path` for reading past the page cache where the file system allows it (reads
     then go into page-aligned buffers)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    return _open_direct(path)[0]
+
+
+def _open_direct(path: str) -> tuple[int, bool]:
+    """open_direct's descriptor, and whether it reads past the page cache."""
     try:
-        return os.open(path, flags | os.O_DIRECT)
+        return os.open(path, READ_FLAGS | os.O_DIRECT), True
     except OSError as exc:
         if exc.errno != errno.EINVAL:  # EINVAL: no O_DIRECT here (tmpfs)
             raise
-        return os.open(path, flags)
+        return os.open(path, READ_FLAGS), False
 
 
-def copy(path: str, size: int, sha256: str, memfd: int) -> str:
-    """`path` into `memfd`; "" when done and unchanged, else what is wrong."""
-    fd = open_direct(path)
+def copy(path: str, size: int, sha256: str, memfd: int, resident: str = "") -> str:
+    """`path` into `memfd`; "" when done and unchanged, else what is wrong. `resident`: a
+    character for each CHUNK of the file, "1" where the shim found all its data in the
+    host's page cache: read from there, and left there (charged to whoever brought it
+    in); the rest is read past the page cache where the file system allows it, else
+    dropped from it once read (it would be charged to the pod)."""
+    fd, direct = _open_direct(path)
+    cache = fd
     try:
         if os.fstat(fd).st_size != size:
             return f"{path} is {os.fstat(fd).st_size} bytes, not {size}"
         os.ftruncate(memfd, size)
+        if "1" in resident:
+            cache = os.open(path, READ_FLAGS)
         h = hashlib.sha256()
-        for offset, chunk in read_ahead(fd, h):
+        for offset, chunk in read_ahead(fd, h, lambda at: cache if resident[
+                at // CHUNK:at // CHUNK + 1] == "1" else fd):
             os.pwrite(memfd, chunk, offset)
         return changed(path, h.hexdigest(), sha256)
     finally:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if not direct:  # what this copy read into the page cache, out again
+            for block in range(-(-os.fstat(fd).st_size // CHUNK)):
+                if resident[block:block + 1] != "1":
+                    os.posix_fadvise(fd, block * CHUNK, CHUNK, os.POSIX_FADV_DONTNEED)
+        if cache != fd:
+            os.close(cache)
+        os.close(fd)
+
+
+def warm(path: str) -> None:
+    """`path`'s data read into the host's page cache (charged to the caller's cgroup);
+    its holes are not read, so they take no page there."""
+    fd = os.open(path, READ_FLAGS)
+    try:
+        for _ in hashed(fd, None, memoryview(mmap.mmap(-1, CHUNK))):
+            pass
+    finally:
         os.close(fd)
 
 
@@ -181,11 +218,19 @@ def changed(path: str, got: str, saved: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    path, size, sha256, memfd = argv
+    if argv[0] == "--warm":
+        doing, path = "warm", argv[1]
+    else:
+        doing, path = "copy", argv[0]
     try:
-        wrong = copy(path, int(size), sha256, int(memfd))
+        if doing == "warm":
+            warm(path)
+            wrong = ""
+        else:
+            _, size, sha256, memfd, *resident = argv
+            wrong = copy(path, int(size), sha256, int(memfd), "".join(resident))
     except OSError as exc:
-        wrong = f"cannot copy {path}: {exc.strerror or exc}"
+        wrong = f"cannot {doing} {path}: {exc.strerror or exc}"
     if wrong:
         print(wrong, file=sys.stderr)
         return 1

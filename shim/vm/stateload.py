@@ -8,18 +8,21 @@ change it would control the guest of every later pod of its shape):
 - the guest's memory (sparse: only what the guest had in use) copied into the memfd the
   VM runs on and hashed in the same pass by shim/vm/memcopy.py, a process started in the
   pod's sandbox cgroup (the pages are the pod's), checked before QEMU loads the state.
-Both are read past the host's page cache (O_DIRECT) where the file system allows it, so
-what a pod restores is not charged to the first pod that read the file. The digest's
-form is memcopy.py's."""
+Neither is charged to the pod as it is read: the state is read past the host's page
+cache (O_DIRECT) where the file system allows it, and so is the memory, unless the node
+keeps it in its page cache (warm: shim/vm/template/cache.py), when it is read from there
+(`resident`). The digest's form is memcopy.py's."""
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import mmap
 import os
+import stat
 import sys
 from typing import Awaitable, Callable
 
+from .. import libc
 from . import memcopy
 from .hypervisor import RestoreFailed, SavedVM
 
@@ -34,6 +37,40 @@ def digest(path: str) -> str:
         for _ in memcopy.hashed(fd, h, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
             pass
         return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def resident(path: str) -> bool:
+    """Every page of data of the file at `path` is in the host's page cache (its holes
+    take none); False where it cannot be read or is no regular file."""
+    chunks = cached_chunks(path)
+    return bool(chunks) and "0" not in chunks
+
+
+def cached_chunks(path: str) -> str:
+    """For each memcopy.CHUNK of the file at `path`: "1" where every page of data in it
+    is in the host's page cache, "0" where not, "-" where it has none (a hole); "" where
+    the file cannot be read or is no regular file."""
+    try:
+        fd = os.open(path, memcopy.READ_FLAGS | os.O_NONBLOCK)  # a FIFO: no wait
+    except OSError:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        pages, per = libc.page_cached(fd, size), memcopy.CHUNK // mmap.PAGESIZE
+        chunks = ["-"] * -(-size // memcopy.CHUNK)
+        for offset, length in memcopy.extents(fd):
+            first, end = offset // mmap.PAGESIZE, -(-(offset + length) // mmap.PAGESIZE)
+            for chunk in range(first // per, -(-end // per)):
+                if chunks[chunk] != "0":
+                    chunks[chunk] = "0" if b"\0" in pages[max(first, chunk * per):
+                                                            min(end, (chunk + 1) * per)] else "1"
+        return "".join(chunks)
+    except OSError:
+        return ""
     finally:
         os.close(fd)
 
@@ -57,15 +94,19 @@ def read_state(path: str, sha256: str) -> bytes:
 
 
 async def copy_memory(path: str, memfd: int, size: int, sha256: str,
-                      preexec: Callable[[], None] | None) -> None:
+                      preexec: Callable[[], None] | None) -> str:
     """The memory in `path` into `memfd` (`size` bytes; a descriptor of its own, closed
     here) by shim/vm/memcopy.py in the pod's sandbox cgroup (`preexec`), if it still
-    has `sha256`; RestoreFailed otherwise (then what was copied is never run)."""
+    has `sha256`; RestoreFailed otherwise (then what was copied is never run). Which of
+    its chunks were read from the host's page cache: cached_chunks' string."""
     copier = None
     try:
+        # mincore, a few ms of the kernel's: the chunks in the page cache are read there
+        chunks = await asyncio.to_thread(cached_chunks, path)
         copier = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256,
-            str(memfd), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            str(memfd), *([chunks] if "1" in chunks else []),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, pass_fds=[memfd], preexec_fn=preexec)
         _, said = await copier.communicate()
     except OSError as exc:
@@ -79,6 +120,7 @@ async def copy_memory(path: str, memfd: int, size: int, sha256: str,
     if copier.returncode:
         raise RestoreFailed(f"the template's memory: "
                             f"{said.decode(errors='replace').strip() or copier.returncode}")
+    return chunks
 
 
 class MemoryCopy:
@@ -92,12 +134,21 @@ class MemoryCopy:
         self.saved = saved
         self.taken = False
         self.memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
-        self.done: asyncio.Future[None] = asyncio.ensure_future(copy_memory(
+        self.done: asyncio.Future[str] = asyncio.ensure_future(copy_memory(
             saved.memory, os.dup(self.memfd), size, saved.memory_sha256, preexec))
 
-    def take(self) -> tuple[int, asyncio.Future[None]]:
+    def take(self) -> tuple[int, asyncio.Future[str]]:
         self.taken = True
         return self.memfd, self.done
+
+    @property
+    def chunks(self) -> str:
+        """Which chunks the copy read from the host's page cache (cached_chunks' string)
+        once it is done; "" until then, or where it failed."""
+        done = self.done
+        if done.done() and not done.cancelled() and done.exception() is None:
+            return done.result()
+        return ""
 
     async def close(self) -> None:
         """The copy stopped (its process killed and waited for: it is in the pod's

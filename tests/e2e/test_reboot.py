@@ -196,8 +196,10 @@ def test_a_node_reboot_leaves_nothing_stale_and_blocks_no_pod(node) -> None:
     scratch = os.listdir(node["scratch"]) if node["scratch"].exists() else []
     assert all(re.fullmatch(r"blank-\d+M-[0-9a-f]+\.ext4|\.lock", n) for n in scratch), \
         scratch
+    # no template cgroup left, but the page cache's (shim/vm/template/cache.py), which stays
     assert [c for c in reboot.cgroups_below(node["template_cgroup"])
-            if os.path.basename(c) != node["template_cgroup"].strip("/")] == []
+            if os.path.basename(c) != node["template_cgroup"].strip("/")
+            and "/podvm_templates-cache" not in c] == []
     assert [c for c in reboot.cgroups_below(ctd.cgroup_parent)
             if any(pod in c for pod in (old, again, fresh))] == []
 

@@ -222,7 +222,7 @@ def test_a_pod_s_template_is_made_for_its_namespace(tmp_path, monkeypatch) -> No
     async def boot_then_make() -> None:
         restorer.make_template("team-a")
         await asyncio.sleep(0)  # the maker's task runs
-        await restorer.cancel_template()
+        await restorer.cancel_background()
 
     asyncio.run(boot_then_make())
     assert seen == [(spec, "sb1", "team-a")]

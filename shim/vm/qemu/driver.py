@@ -48,7 +48,7 @@ class QemuVM(VM):
         self._console: ConsoleLog | None = None
         self._stderr: PipeLog | None = None  # qemu.log, at a bounded size
         self._files: FileServer | None = None
-        self._memory: asyncio.Future[None] | None = None
+        self._memory: asyncio.Future[str] | None = None
         self._jail = JailId(spec)  # the uid and gid QEMU runs as, claimed at launch
         self._run = RunWatch(spec.sandbox_id)
 

@@ -42,7 +42,7 @@ async def load(qmp: QMPClient, execute: Execute, saved: SavedVM) -> None:
 def open_memory(spec: VMSpec, restore_from: SavedVM | None,
                 preexec: Callable[[], None] | None,
                 ahead: MemoryAhead | None = None
-                ) -> tuple[int, asyncio.Future[None] | None]:
+                ) -> tuple[int, asyncio.Future[str] | None]:
     """The descriptor of the file the guest's RAM will be (-1: a memfd of QEMU's own),
     and the copy under way into it (in the pod's sandbox cgroup, `preexec`): a memfd
     filled from the template's memory (and checked) for a restore, `ahead` where the

@@ -33,7 +33,7 @@ from ...host.cleanup import remove_parent_if_empty
 from ...host.podstate import CgroupState
 from ...network.model import PlaceholderNic
 from ..hypervisor import VMSpec
-from . import ledger, store, template as templates
+from . import cache, ledger, store, template as templates
 
 log = logging.getLogger("podvm.templatemaker")
 
@@ -41,8 +41,6 @@ Record = Callable[[CgroupState | None], None]
 
 MAKING = "making"
 """The store's lock that one maker holds on a node while it makes any template."""
-CPU_SHARES = 128
-"""The template cgroup's CPU weight under cgroup v1 (a pod's is 1024 per CPU)."""
 VMM_MIB = 256
 """What QEMU takes beside the guest's memory while it boots and saves, under TCG too."""
 DEFAULT_MTU = 1500
@@ -192,7 +190,7 @@ async def _make_in_cgroup(template: templates.Template, shape: VMSpec,
                           record: Record | None) -> None:
     q = shape.hypervisor
     manager = cgroups.detect()
-    limits = CgroupLimits(cpu_shares=CPU_SHARES if manager.version == 1 else None,
+    limits = CgroupLimits(cpu_shares=cache.CPU_SHARES if manager.version == 1 else None,
                           memory_limit_bytes=(shape.memory_mib + VMM_MIB) << 20,
                           devices=cgroups.QEMU_DEVICES if manager.version == 1 else None)
     state = CgroupState(manager=manager.to_state(),
@@ -208,6 +206,8 @@ async def _make_in_cgroup(template: templates.Template, shape: VMSpec,
         remove_parent_if_empty(state)
         if record is not None:
             record(None)
+    if template.exists():  # for the next pod, which copies it from RAM
+        await cache.warm(q, template.memory)
 
 
 async def make_in_background(shape: VMSpec, sandbox_id: str, record: Record,

@@ -2,8 +2,10 @@
 started as soon as the pod's interfaces are known (the copy is a restore's longest step:
 it runs while the taps are made and QEMU starts), the VM restored and made the pod's by
 the agent's Resume; a VM that found no template boots, and its shape's template is made
-in the background for the next pod. The Machine (shim/vm/machine.py) holds one Restorer
-and hands it the VMs it launches."""
+in the background for the next pod; a template read from disk (not all of it in the
+host's page cache: shim/vm/template/cache.py) is warmed in the background once the pod
+is resumed. The Machine (shim/vm/machine.py) holds one Restorer and hands it the VMs it
+launches."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +18,10 @@ from ...network.model import PlaceholderNic, PodNetwork
 from .. import vmm
 from ..hypervisor import RestoreFailed, VMSpec, template_mac
 from ..stateload import MemoryCopy
-from . import maker, template as templates
+from . import cache, maker, template as templates
 
 if TYPE_CHECKING:
+    from ...config import HypervisorConfig
     from ...host.cgroup import HostCgroup
     from ...network.model import TapNic
     from ..agent import Agent
@@ -43,6 +46,10 @@ class Restorer:
         self._untemplated: VMSpec | None = None
         """The shape of a VM that booted for want of a template (make_template)."""
         self._template_maker: asyncio.Task | None = None
+        self._cold: tuple[HypervisorConfig, str] | None = None
+        """The configuration and memory file of the template restored not wholly from the
+        page cache, to warm once its guest resumed."""
+        self._warming: asyncio.Task | None = None
         self._ahead: tuple[str, MemoryCopy] | None = None
         """The template's key and its memory's copy, started before the VM (copy_ahead)."""
 
@@ -104,8 +111,14 @@ class Restorer:
                     await restored.launch(
                         preexec=preexec, memory=memory,
                         restore_from=memory.saved if memory else template.saved())
-                    log.info("sandbox %s: VM restored from template %s", self.id,
-                             template.key)
+                    # "" where the VM copied it itself: cache.warm looks then
+                    chunks = memory.chunks if memory is not None else ""
+                    log.info("sandbox %s: VM restored from template %s%s", self.id,
+                             template.key, f", {chunks.count('1')} of its "
+                             f"{len(chunks) - chunks.count('-')} chunks of memory read "
+                             f"from the page cache" if chunks else "")
+                    if not chunks or "0" in chunks:
+                        self._cold = shape.hypervisor, template.memory
                     template.record_use()
                     return template
                 except RestoreFailed as exc:
@@ -124,17 +137,19 @@ class Restorer:
         """After a boot that found no template of its shape: that template made in the
         background (in its own cgroup, shim/vm/template/maker.py), for the next pod,
         counted against the bounds on new shapes of the pod's Kubernetes `namespace`;
-        cancelled by cancel_template() if the pod goes first."""
+        cancelled by cancel_background() if the pod goes first."""
         if self._untemplated is not None and self._template_maker is None:
             self._template_maker = asyncio.create_task(maker.make_in_background(
                 self._untemplated, self.id, lambda cg: self._record(template_cgroup=cg),
                 namespace))
 
-    async def cancel_template(self) -> None:
-        """The template being made in the background stopped (the pod goes first)."""
-        if self._template_maker is not None:
-            self._template_maker.cancel()
-            await asyncio.gather(self._template_maker, return_exceptions=True)
+    async def cancel_background(self) -> None:
+        """The template being made or warmed in the background stopped (the pod goes
+        first)."""
+        for task in (self._template_maker, self._warming):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def resume(self, template: templates.Template, agent: Agent, restored: VM,
                      nics: tuple[TapNic | PlaceholderNic, ...], timeout: float) -> None:
@@ -149,3 +164,5 @@ class Restorer:
                 template.discard(f"the guest restored from it did not resume: {exc}")
             raise
         log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
+        if self._cold is not None and self._warming is None:  # off this pod's path now
+            self._warming = asyncio.create_task(cache.warm(*self._cold))

@@ -1,0 +1,146 @@
+"""The templates' page cache (shim/vm/template/cache.py): a template's memory warmed is
+charged to the cache's cgroup; a pod's copier reads it from there without being charged
+for it, and reads one that is not warm past the page cache, leaving nothing there. On
+this host's cgroup v1 memory hierarchy, with real processes in real cgroups (the charge
+of a page goes to the cgroup of the process that brought it in: the same rule on v2)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import uuid
+
+import pytest
+
+from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
+from shim.vm import memcopy, stateload
+from shim.vm.template import cache
+from testbed.prereqs import require_root
+from testbed.vmconfig import vm_config
+
+MIB = 1 << 20
+DATA = {0: 24 * MIB, 64 * MIB: 16 * MIB}
+"""The memory file's data extents (offset: length); the rest of its 128 MiB are holes."""
+SIZE = 128 * MIB
+SLACK = 8 * MIB
+"""Beyond the memfd's pages: the kernel's per-CPU charge batches and the odd page the
+copier's own start brings in. Charging the data's page cache too would add 40 MiB."""
+
+
+def memory_charged(cgroup: str) -> int:
+    return int(pathlib.Path(f"/sys/fs/cgroup/memory{cgroup}/memory.usage_in_bytes")
+               .read_text())
+
+
+@pytest.fixture
+def cgroups_here():
+    """A private template_cgroup and pod cgroup parent, removed with all below them."""
+    require_root()
+    if not os.path.isdir("/sys/fs/cgroup/memory"):
+        pytest.fail("this test reads the cgroup v1 memory hierarchy (this host's)")
+    tag = uuid.uuid4().hex[:8]
+    made: list[SandboxCgroup] = []
+    yield f"/podvm-test-tcache-{tag}", f"/podvm-test-tpods-{tag}", made
+    for cgroup in made:
+        cgroup.destroy()
+    for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
+        for top in (f"podvm-test-tcache-{tag}", f"podvm-test-tpods-{tag}"):
+            below = sorted((str(d) for d in (hierarchy / top).rglob("*") if d.is_dir()),
+                           reverse=True) if (hierarchy / top).is_dir() else []
+            for directory in below + [str(hierarchy / top)]:
+                try:
+                    os.rmdir(directory)
+                except FileNotFoundError:
+                    pass
+
+
+def memory_file(directory: pathlib.Path) -> tuple[str, dict[int, bytes]]:
+    """A template's memory file on disk and not in the page cache, and its data."""
+    path, data = directory / "t.vmstate.ram", {o: os.urandom(n) for o, n in DATA.items()}
+    with open(path, "wb") as f:
+        f.truncate(SIZE)
+        for offset, chunk in data.items():
+            f.seek(offset)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return str(path), data
+
+
+async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: str,
+                          made: list) -> tuple[str, int]:
+    """`path` copied as a pod's copier copies it, in a pod cgroup of its own: which of its
+    chunks it read from the page cache (stateload.cached_chunks' form), and what that
+    cgroup is charged once the copier has exited (the memfd it filled held meanwhile)."""
+    pod = SandboxCgroup.create(SandboxLayout(parent, name), CgroupLimits())
+    made.append(pod)
+    memfd = os.memfd_create("t")
+    try:
+        chunks = await stateload.copy_memory(path, os.dup(memfd), SIZE,
+                                             stateload.digest(path), pod.preexec())
+        for offset, chunk in data.items():
+            assert os.pread(memfd, len(chunk), offset) == chunk
+        return chunks, memory_charged(pod.layout.sandbox)
+    finally:
+        os.close(memfd)
+
+
+async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_the_pod(
+        tmp_path, cgroups_here) -> None:
+    template_cgroup, pods, made = cgroups_here
+    q = vm_config(template_cgroup=template_cgroup, template_max_mib=256).qemu
+    path, content = memory_file(tmp_path)
+    data = sum(DATA.values())
+    assert not stateload.resident(path)
+
+    # Not warm: read past the page cache; the pod pays for its memfd only, and nothing
+    # of the file is left cached (charged to it).
+    chunks, charged = await copied_by_a_pod(path, content, pods, "cold", made)
+    data_chunks = "".join("0" if any(o <= c * memcopy.CHUNK < o + n for o, n in DATA.items())
+                          else "-" for c in range(SIZE // memcopy.CHUNK))
+    assert chunks == data_chunks, "none of it from the page cache, holes not read"
+    assert data <= charged < data + SLACK, charged / MIB
+    assert not stateload.resident(path)
+
+    assert await cache.warm(q, path)
+    assert stateload.resident(path)
+    cache_cgroup = cache.layout(q).sandbox
+    assert memory_charged(cache_cgroup) >= data
+    assert os.listdir(f"/sys/fs/cgroup/memory{cache_cgroup}") and \
+        pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/memory.limit_in_bytes"
+                     ).read_text().strip() == str(256 * MIB)
+    assert pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/cgroup.procs").read_text() \
+        == "", "the warmer has exited"
+
+    # Warm: read from the page cache, which stays charged to the cache, not the pod.
+    chunks, charged = await copied_by_a_pod(path, content, pods, "warm", made)
+    assert chunks == data_chunks.replace("0", "1"), "all of it from the page cache"
+    assert data <= charged < data + SLACK, charged / MIB
+    assert stateload.resident(path)
+    assert memory_charged(cache_cgroup) >= data
+
+    assert await cache.warm(q, path), "warm already: nothing to read"
+
+    # Partly evicted (the host reclaims clean page cache as it needs): the chunks still
+    # cached are read there, the rest past the page cache, and neither is charged.
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 8 * MIB, MIB, os.POSIX_FADV_DONTNEED)  # half of chunk 4
+    os.close(fd)
+    partly = stateload.cached_chunks(path)
+    assert partly == data_chunks[:4].replace("0", "1") + "0" + \
+        data_chunks[5:].replace("0", "1"), partly
+    chunks, charged = await copied_by_a_pod(path, content, pods, "partly", made)
+    assert chunks == partly
+    assert data <= charged < data + SLACK, charged / MIB
+    assert stateload.cached_chunks(path) == partly, "nothing read into the page cache"
+
+
+async def test_a_template_that_cannot_be_warmed_says_so_and_stays_cold(
+        tmp_path, cgroups_here, caplog) -> None:
+    template_cgroup, _, _ = cgroups_here
+    q = vm_config(template_cgroup=template_cgroup).qemu
+    assert not await cache.warm(q, str(tmp_path / "gone.ram"))
+    assert "not kept in the page cache" in caplog.text and "No such file" in caplog.text
+    fifo = tmp_path / "fifo.ram"
+    os.mkfifo(fifo)  # no O_NOFOLLOW trouble, but no data extents to seek: refused
+    assert not stateload.resident(str(fifo))
