@@ -173,8 +173,10 @@ def write_config(path: pathlib.Path, guest: pathlib.Path, accel: str, shape: Pod
              f'initrd = "{guest / "initrd.img"}"', f'accel = "{accel}"',
              f"default_vcpus = {shape.vcpus}", f"default_maxvcpus = {shape.vcpus}",
              f"default_memory = {GUEST_MIB}", "boot_timeout = 600",
-             # the run's own templates and scratch disks, removed with its work directory
+             # the run's own templates and scratch disks, removed with its work directory,
+             # and template cgroup (the templates' page cache's stays there: bench() removes it)
              f'template_path = "{path.parent / "templates"}"',
+             f'template_cgroup = "{template_cgroup()}"',
              f'scratch_path = "{path.parent / "scratch"}"',
              f'virtio_fs_daemon = "{virtio_fs_daemon()}"']
     if (guest / "rootfs.img").is_file():  # an image whose root is a disk of its own
@@ -183,6 +185,11 @@ def write_config(path: pathlib.Path, guest: pathlib.Path, accel: str, shape: Pod
     lines += [f"{key} = {json.dumps(value)}" for key, value in runtime.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def template_cgroup() -> str:
+    """The run's template_cgroup (a killed run's is swept with its parents: PREFIX)."""
+    return f"/{PREFIX}{os.getpid()}-templates"
 
 
 class Setting:
@@ -336,6 +343,16 @@ async def warm(run: shimpods.Run, args: argparse.Namespace, cpus: int) -> None:
 async def bench(args: argparse.Namespace, cpus: int, manager: cgroups.CgroupManager
                 ) -> list[dict]:
     results = []
+    try:
+        await _settings(args, cpus, manager, results)
+    finally:
+        benchcgroups.remove_tree(manager, template_cgroup())
+    add_guest_ratio(results)
+    return results
+
+
+async def _settings(args: argparse.Namespace, cpus: int, manager: cgroups.CgroupManager,
+                    results: list[dict]) -> None:
     async with shimpods.Run() as run:
         await warm(run, args, cpus)
         for rep, setting in reservation_table.interleaved(args.settings, args.repeat):
@@ -356,8 +373,6 @@ async def bench(args: argparse.Namespace, cpus: int, manager: cgroups.CgroupMana
                   f"({r['http_timeouts']} timed out); neighbours "
                   f"recv/req {neighbours or '-'}; {time.monotonic() - started:.0f} s, "
                   f"load {r['load']}", flush=True)
-    add_guest_ratio(results)
-    return results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -80,8 +80,10 @@ def nothing_left_running(tmp_path_factory):
 
     system_templates = pathlib.Path(HypervisorConfig().template_path)
     system_scratch = pathlib.Path(HypervisorConfig().scratch_path)
+    system_cgroup = HypervisorConfig().template_cgroup.strip("/")
     templates_before = _entries(system_templates)
     scratch_before = _entries(system_scratch)
+    cgroup_before = set(pathlib.Path("/sys/fs/cgroup").glob(f"*/{system_cgroup}"))
     before = _ours()
     yield
     import time
@@ -89,6 +91,10 @@ def nothing_left_running(tmp_path_factory):
     made = sorted(_entries(system_templates) - templates_before)
     assert not made, (f"templates left in {system_templates} (a pod of the run used the "
                       f"default template_path): {made}")
+    made = sorted(set(pathlib.Path("/sys/fs/cgroup").glob(f"*/{system_cgroup}")) -
+                  cgroup_before)
+    assert not made, (f"cgroups left (a pod or bench of the run used the default "
+                      f"template_cgroup, where the templates' page cache cgroup stays): {made}")
     made = sorted(_entries(system_scratch) - scratch_before)
     assert not made, (f"files left in {system_scratch} (a pod of the run used the default "
                       f"scratch_path): {made}")
