@@ -34,17 +34,16 @@ _OWNER = os.getpid()
 def remove_templates() -> None:
     shutil.rmtree(TEMPLATES, ignore_errors=True)
     shutil.rmtree(f"{TEMPLATES}-scratch", ignore_errors=True)
-    for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
-        top = hierarchy / TEMPLATE_CGROUP.lstrip("/")
-        # each template's own cgroup went with its VM; what is left, the page cache's
-        # (shim/vm/template/cache.py), holds pages and no process: children first
-        below = sorted((str(d) for d in top.rglob("*") if d.is_dir()), reverse=True) \
-            if top.is_dir() else []
-        for directory in below + [str(top)]:
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
+    # here, not at the top: testbed.reboot imports testbed.containerd, which imports this
+    from .reboot import cgroups_below
+
+    # each template's own cgroup went with its VM; what is left, the page cache's
+    # (shim/vm/template/cache.py), holds pages and no process: deepest first
+    for cgroup in reversed(cgroups_below(TEMPLATE_CGROUP)):
+        try:
+            os.rmdir(cgroup)
+        except OSError:
+            pass
 
 
 @atexit.register

@@ -14,6 +14,7 @@ import pytest
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 from shim.vm import memcopy, stateload
 from shim.vm.template import cache
+from testbed import reboot
 from testbed.prereqs import require_root
 from testbed.vmconfig import vm_config
 
@@ -42,15 +43,9 @@ def cgroups_here():
     yield f"/podvm-test-tcache-{tag}", f"/podvm-test-tpods-{tag}", made
     for cgroup in made:
         cgroup.destroy()
-    for hierarchy in pathlib.Path("/sys/fs/cgroup").glob("*"):
-        for top in (f"podvm-test-tcache-{tag}", f"podvm-test-tpods-{tag}"):
-            below = sorted((str(d) for d in (hierarchy / top).rglob("*") if d.is_dir()),
-                           reverse=True) if (hierarchy / top).is_dir() else []
-            for directory in below + [str(hierarchy / top)]:
-                try:
-                    os.rmdir(directory)
-                except FileNotFoundError:
-                    pass
+    for top in (f"/podvm-test-tcache-{tag}", f"/podvm-test-tpods-{tag}"):
+        for cgroup in reversed(reboot.cgroups_below(top)):  # deepest first
+            os.rmdir(cgroup)
 
 
 def memory_file(directory: pathlib.Path) -> tuple[str, dict[int, bytes]]:
