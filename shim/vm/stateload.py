@@ -57,11 +57,11 @@ def cached_chunks(path: str) -> str:
     except OSError:
         return ""
     try:
-        size = os.fstat(fd).st_size
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             return ""
-        pages, per = libc.page_cached(fd, size), memcopy.CHUNK // mmap.PAGESIZE
-        chunks = ["-"] * -(-size // memcopy.CHUNK)
+        pages, per = libc.page_cached(fd, st.st_size), memcopy.CHUNK // mmap.PAGESIZE
+        chunks = ["-"] * -(-st.st_size // memcopy.CHUNK)
         for offset, length in memcopy.extents(fd):
             first, end = offset // mmap.PAGESIZE, -(-(offset + length) // mmap.PAGESIZE)
             for chunk in range(first // per, -(-end // per)):
