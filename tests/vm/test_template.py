@@ -311,11 +311,12 @@ def made(tmp_path_factory) -> templates.Template:
 
 
 def copy_of(made: templates.Template, tmp_path: pathlib.Path) -> templates.Template:
-    """`made`'s files (holes kept) in a store of the test's own, to tamper with."""
+    """`made`'s files in a store of the test's own, to tamper with: their holes where
+    `made` has them, and nowhere else (a zero block made a hole would change the digest)."""
     store = tmp_path / "store"
     store.mkdir(mode=0o700, exist_ok=True)
     for path in (made.state, made.memory, made.meta):
-        subprocess.run(["cp", "--sparse=always", path, str(store)], check=True)
+        subprocess.run(["cp", "--sparse=auto", path, str(store)], check=True)
     return templates.Template(str(store), made.key, made.inputs)
 
 

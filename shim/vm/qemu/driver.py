@@ -268,7 +268,8 @@ class QemuVM(VM):
         if self._restore_from:
             # The guest's port is open in the state loaded: nothing to wait for after cont.
             self._boot_stage = LOADING
-            await self._load(self._restore_from)
+            assert self._memory is not None  # the guest's RAM, copied and checked meanwhile
+            await state.load(qmp, self._execute, self._restore_from, self._memory)
             if self._files is not None:
                 self._boot_stage = "the pod's virtiofsd was starting"
                 await self._files.ready()
@@ -290,11 +291,6 @@ class QemuVM(VM):
                     log.info("guest agent port open")
                     self._booted = True
                     return
-
-    async def _load(self, saved: SavedVM) -> None:
-        assert self._qmp is not None and self._memory is not None
-        await self._memory  # the guest's RAM, copied and checked meanwhile
-        await state.load(self._qmp, self._execute, saved)
 
     async def save(self, path: str) -> None:
         """The VM stopped and its state written to `path` (shim/vm/qemu/state.py)."""

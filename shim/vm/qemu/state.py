@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Callable
+from typing import Awaitable, Callable
 
 from qemu.qmp import ExecuteError, QMPClient
 
@@ -21,15 +21,20 @@ from .query import Execute
 # Both ends of a save: shared memory (the guest's RAM, the root image) is not in the state.
 SAVE_CAPS = [{"capability": "x-ignore-shared", "state": True}]
 
-async def load(qmp: QMPClient, execute: Execute, saved: SavedVM) -> None:
+async def load(qmp: QMPClient, execute: Execute, saved: SavedVM,
+               memory: Awaitable[object]) -> None:
     """The saved state into the VM paused with `-incoming defer`, once it is read whole
-    and found unchanged (shim/vm/stateload.py), through a pipe QEMU gets over QMP."""
+    and found unchanged (shim/vm/stateload.py) and `memory`, the guest's RAM being copied
+    meanwhile, is there (the devices' state refers to it), through a pipe QEMU gets over
+    QMP. What needs no RAM (the state's read, the migration's settings) is done first,
+    while the copy, the longer, goes on."""
     data = await asyncio.to_thread(stateload.read_state, saved.state, saved.state_sha256)
     await qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
     # No self-announcement once loaded: QEMU would send reverse-ARP frames from the
     # template's MACs on every restored pod's network before Resume gives the NICs the
     # pod's own; the guest's own traffic announces those.
     await qmp.execute("migrate-set-parameters", {"announce-rounds": 0})
+    await memory
 
     async def send(fd: int) -> None:
         qmp.send_fd_scm(fd)
