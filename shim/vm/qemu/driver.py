@@ -18,7 +18,7 @@ import psutil
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 from ...host.processes import end_child, ended, peek_exit
-from ...libc import libc, no_huge_pages
+from ...libc import descriptor_table, libc, no_huge_pages
 from .. import scratchdisk, workdir
 from ..hypervisor import (BootTimeout, HypervisorError, MemoryAhead, RestoreFailed, SavedVM,
                           ThreadRole, VM, VMExited, VMSpec)
@@ -152,6 +152,7 @@ class QemuVM(VM):
 
         def child() -> None:
             no_huge_pages()
+            descriptor_table()
             if preexec is not None:
                 preexec()  # first: it writes cgroup files the jail hides
             if confine is not None:
