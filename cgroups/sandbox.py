@@ -50,22 +50,23 @@ class SandboxCgroup:
             raise
         return cls(manager, layout)
 
-    def preexec(self) -> Callable[[], None]:
+    def preexec(self) -> Callable[[], None] | None:
         """A `preexec_fn` (subprocess or asyncio) that puts the child into the sandbox
         cgroup before it execs, so every page it touches is charged there. It only makes
-        open/write/close system calls, safe enough between fork and exec. A caller whose
-        thread is in the sandbox cgroup already, in every hierarchy (a shim placed there:
-        place_process), gets one that writes nothing: a child is born in its parent's
-        cgroups, and the write, a move to where it is, would still take the kernel's
-        lock on every cgroup move, which waits out an RCU grace period when no move came
-        just before it (5-8 ms on an idle 2-CPU v1 host, 20 ms and more on a loaded one)."""
+        open/write/close system calls, safe enough between fork and exec. None for a
+        caller whose thread is in the sandbox cgroup already, in every hierarchy (a shim
+        placed there: place_process): a child is born in its parent's cgroups, and the
+        write, a move to where it is, would still take the kernel's lock on every cgroup
+        move, which waits out an RCU grace period when no move came just before it (5-8
+        ms on an idle 2-CPU v1 host, 20 ms and more on a loaded one). What such a caller
+        does itself is charged there too."""
         files = self.manager.procs_files(self.layout)
         for path in files:
             if not os.path.exists(path):
                 raise CgroupError(f"{path} does not exist: create() the sandbox cgroup first")
         here = self.manager.thread_cgroups(os.getpid(), threading.get_native_id())
         if self.manager.location(self.layout, here) == SANDBOX:
-            return _born_inside
+            return None
 
         def enter_sandbox_cgroup() -> None:
             for path in files:
@@ -190,7 +191,3 @@ class SandboxCgroup:
     @classmethod
     def destroy_from_state(cls, state: dict, move_to: str | None = None) -> bool:
         return cls.from_state(state).destroy(move_to)
-
-
-def _born_inside() -> None:
-    """The preexec of a child forked inside the sandbox cgroup: nothing to move."""

@@ -1,7 +1,8 @@
 """A template's memory copied into the memfd a restored VM runs on, and hashed in the
-same pass. The shim runs this file as a process of its own (`python -I -S`, standard
-library only: it imports nothing of podvm) started in the pod's sandbox cgroup, so the
-pages it writes are charged to the pod whichever cgroup the shim is in. What it reads is
+same pass, so that the pages it writes are charged to the pod: by a thread of the shim
+where the shim is in the pod's sandbox cgroup (its place by default), else by this file
+run as a process of its own (`python -I -S`, standard library only: it imports nothing
+of podvm) started in that cgroup (shim/vm/stateload.py, copy_memory). What it reads is
 never charged to the pod: a template the node keeps in its page cache (warm: its pages
 charged to the templates' cache cgroup, shim/vm/template/cache.py) is read from there,
 and a template that is not is read past the page cache (O_DIRECT, where the file system
@@ -92,33 +93,51 @@ def read_ahead(fd: int, h, read_from=None):
     into `h`, read by a thread of its own into BUFFERS buffers in turn: the next are read
     from the disk while the caller copies this one (the disk's reads take about as long
     as the hash and the copy together). A chunk is the caller's until it asks for the
-    next."""
-    free: SimpleQueue[memoryview] = SimpleQueue()
+    next. However the caller stops, the reading thread has ended (no read of `fd` is
+    under way) once the generator has."""
+    free: SimpleQueue = SimpleQueue()
     full: SimpleQueue = SimpleQueue()
     for _ in range(BUFFERS):
         free.put(memoryview(mmap.mmap(-1, CHUNK)))  # page-aligned, as O_DIRECT wants
 
+    def take() -> memoryview:
+        buffer = free.get()
+        if buffer is None:  # the caller stopped
+            raise _Stopped
+        return buffer
+
     def read() -> None:
         try:
-            for offset, chunk in _reads(fd, free.get, full.put, read_from):
+            for offset, chunk in _reads(fd, take, full.put, read_from):
                 full.put((offset, chunk))
             full.put(None)
         except BaseException as exc:  # the caller's to raise
             full.put(exc)
 
-    # A daemon (as every _thread thread): a caller that stops early (its copy failed)
-    # ends the process.
     _thread.start_new_thread(read, ())
-    while (item := full.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, bytes):  # an extent's header
-            h.update(item)
-            continue
-        offset, chunk = item
-        h.update(chunk)
-        yield offset, chunk
-        free.put(memoryview(chunk.obj))  # the whole buffer again
+    ended = False
+    try:
+        while (item := full.get()) is not None:
+            if isinstance(item, BaseException):
+                ended = True
+                raise item
+            if isinstance(item, bytes):  # an extent's header
+                h.update(item)
+                continue
+            offset, chunk = item
+            h.update(chunk)
+            yield offset, chunk
+            free.put(memoryview(chunk.obj))  # the whole buffer again
+        ended = True
+    finally:
+        if not ended:  # stopped early: the thread told to stop, and waited for
+            free.put(None)
+            while (item := full.get()) is not None and not isinstance(item, BaseException):
+                pass
+
+
+class _Stopped(Exception):
+    """The reading thread's end when its caller stopped first."""
 
 
 def dig_holes(path: str) -> int:
@@ -169,12 +188,14 @@ def _open_direct(path: str) -> tuple[int, bool]:
         return os.open(path, READ_FLAGS), False
 
 
-def copy(path: str, size: int, sha256: str, memfd: int, resident: str = "") -> str:
+def copy(path: str, size: int, sha256: str, memfd: int, resident: str = "",
+         stopped=lambda: False) -> str:
     """`path` into `memfd`; "" when done and unchanged, else what is wrong. `resident`: a
     character for each CHUNK of the file, "1" where the shim found all its data in the
     host's page cache: read from there, and left there (charged to whoever brought it
     in); the rest is read past the page cache where the file system allows it, else
-    dropped from it once read (it would be charged to the pod)."""
+    dropped from it once read (it would be charged to the pod). stopped() is asked
+    before each chunk is written: True ends the copy (ECANCELED)."""
     fd, direct = _open_direct(path)
     cache = fd
     try:
@@ -184,9 +205,15 @@ def copy(path: str, size: int, sha256: str, memfd: int, resident: str = "") -> s
         if "1" in resident:
             cache = os.open(path, READ_FLAGS)
         h = hashlib.sha256()
-        for offset, chunk in read_ahead(fd, h, lambda at: cache if resident[
-                at // CHUNK:at // CHUNK + 1] == "1" else fd):
-            os.pwrite(memfd, chunk, offset)
+        chunks = read_ahead(fd, h, lambda at: cache if resident[
+            at // CHUNK:at // CHUNK + 1] == "1" else fd)
+        try:
+            for offset, chunk in chunks:
+                if stopped():
+                    raise OSError(errno.ECANCELED, "stopped")
+                os.pwrite(memfd, chunk, offset)
+        finally:
+            chunks.close()  # its reading thread ended: the descriptors can go
         return changed(path, h.hexdigest(), sha256)
     finally:
         if not direct:  # what this copy read into the page cache, out again

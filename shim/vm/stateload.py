@@ -6,8 +6,9 @@ change it would control the guest of every later pod of its shape):
   gets over QMP (getfd, `migrate-incoming fd:`): QEMU runs under its seccomp sandbox
   (spawn=deny) in a jail where the template is no path, so it cannot read the file;
 - the guest's memory (sparse: only what the guest had in use) copied into the memfd the
-  VM runs on and hashed in the same pass by shim/vm/memcopy.py, a process started in the
-  pod's sandbox cgroup (the pages are the pod's), checked before QEMU loads the state.
+  VM runs on and hashed in the same pass by shim/vm/memcopy.py, in the pod's sandbox
+  cgroup (the pages are the pod's: a thread of the shim placed there, else a process
+  started there), checked before QEMU loads the state.
 Neither is charged to the pod as it is read: the state is read past the host's page
 cache (O_DIRECT) where the file system allows it, and so is the memory, unless the node
 keeps it in its page cache (warm: shim/vm/template/cache.py), when it is read from there
@@ -20,6 +21,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 from typing import Awaitable, Callable
 
 from .. import libc
@@ -96,31 +98,64 @@ def read_state(path: str, sha256: str) -> bytes:
 async def copy_memory(path: str, memfd: int, size: int, sha256: str,
                       preexec: Callable[[], None] | None) -> str:
     """The memory in `path` into `memfd` (`size` bytes; a descriptor of its own, closed
-    here) by shim/vm/memcopy.py in the pod's sandbox cgroup (`preexec`), if it still
-    has `sha256`; RestoreFailed otherwise (then what was copied is never run). Which of
-    its chunks were read from the host's page cache: cached_chunks' string."""
-    copier = None
+    here) if it still has `sha256`, RestoreFailed otherwise (then what was copied is
+    never run), so that the pages are charged to the pod's sandbox cgroup: by a thread
+    of this process where `preexec` is None (this process is in that cgroup) and `path`
+    a regular file, else by shim/vm/memcopy.py run as a process started there (with
+    `preexec`), which can be killed where its reads wait for ever (a FIFO planted in the
+    template's place). Which of its chunks were read from the host's page cache:
+    cached_chunks' string."""
     try:
-        # mincore, a few ms of the kernel's: the chunks in the page cache are read there
-        chunks = await asyncio.to_thread(cached_chunks, path)
-        copier = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256,
-            str(memfd), *([chunks] if "1" in chunks else []),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, pass_fds=[memfd], preexec_fn=preexec)
-        _, said = await copier.communicate()
+        # The chunks in the page cache are read there. Asked here, not in a thread (a few
+        # ms of mincore): the copy then starts in this task's first step, before the loop
+        # goes on to start QEMU, whose fork holds it while QEMU's jail is made.
+        chunks = cached_chunks(path)
+        if preexec is None and chunks:  # else no regular file: a process can be killed
+            wrong = await _copy_here(path, memfd, size, sha256, chunks)
+        else:
+            wrong = await _copy_apart(path, memfd, size, sha256, chunks, preexec)
     except OSError as exc:
         raise RestoreFailed(f"cannot copy the template's memory {path}: "
                             f"{exc.strerror}") from None
     finally:
         os.close(memfd)
-        if copier is not None and copier.returncode is None:
+    if wrong:
+        raise RestoreFailed(f"the template's memory: {wrong}")
+    return chunks
+
+
+async def _copy_here(path: str, memfd: int, size: int, sha256: str, chunks: str) -> str:
+    """memcopy.copy in a thread of this process: no process to start (its fork, exec and
+    interpreter took 25-35 ms of a restore's longest step). Cancelled, the copy stops
+    before its next chunk and is waited for."""
+    stop = threading.Event()
+    copying = asyncio.ensure_future(asyncio.to_thread(
+        memcopy.copy, path, size, sha256, memfd, chunks, stop.is_set))
+    try:
+        return await asyncio.shield(copying)
+    except asyncio.CancelledError:
+        stop.set()
+        await asyncio.gather(copying, return_exceptions=True)
+        raise
+
+
+async def _copy_apart(path: str, memfd: int, size: int, sha256: str, chunks: str,
+                      preexec: Callable[[], None]) -> str:
+    """memcopy.py run as a process started with `preexec`; what it said went wrong."""
+    copier = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256, str(memfd),
+        *([chunks] if "1" in chunks else []), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        pass_fds=[memfd], preexec_fn=preexec)
+    try:
+        _, said = await copier.communicate()
+    finally:
+        if copier.returncode is None:
             copier.kill()
             await copier.wait()
     if copier.returncode:
-        raise RestoreFailed(f"the template's memory: "
-                            f"{said.decode(errors='replace').strip() or copier.returncode}")
-    return chunks
+        return said.decode(errors="replace").strip() or f"copier status {copier.returncode}"
+    return ""
 
 
 class MemoryCopy:

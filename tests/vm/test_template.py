@@ -215,10 +215,12 @@ def test_a_read_that_fails_in_the_reading_thread_fails_the_copy(tmp_path, monkey
     assert len(reads) == 3  # the reading thread stopped at its error
 
 
-async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path) -> None:
+async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monkeypatch
+                                                                 ) -> None:
     """A copy the Machine starts before the VM (shim/vm/template/restore.py, copy_ahead):
-    taken, its memfd and copy are the VM's; closed untaken, its process (in the pod's cgroup,
-    which goes next) is killed and waited for, and its memfd closed."""
+    taken, its memfd and copy are the VM's; closed untaken, its thread stops before its
+    next chunk, or its process (in the pod's cgroup, which goes next) is killed, and is
+    waited for, and its memfd closed."""
     memory = tmp_path / "m.ram"
     memory.write_bytes(os.urandom(1 << 20))
     saved = SavedVM(state=str(memory)[:-len(".ram")], state_sha256="",
@@ -242,8 +244,33 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path) -> No
                 pass
         return found
 
+    big = tmp_path / "big.ram"  # in a thread of this process: many chunks to copy
+    big.write_bytes(os.urandom(64 << 20))
+    writes, real_pwrite = [], os.pwrite
+
+    def slow_pwrite(fd, data, offset):
+        writes.append(offset)
+        time.sleep(0.05)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(memcopy.os, "pwrite", slow_pwrite)
+    copying = stateload.MemoryCopy(SavedVM(state=str(big)[:-4], state_sha256="",
+                                           memory_sha256="0" * 64), 64 << 20, None)
+    async with asyncio.timeout(10):
+        while not writes:
+            await asyncio.sleep(0.01)
+    await copying.close()
+    stopped_at = len(writes)
+    assert stopped_at < 32 // 2  # of 32 chunks: it stopped, it did not run out
+    assert copying.done.cancelled()
+    with pytest.raises(OSError):
+        os.fstat(copying.memfd)
+    await asyncio.sleep(0.2)
+    assert len(writes) == stopped_at  # nothing written after close() returned
+    monkeypatch.undo()
+
     fifo = tmp_path / "stalled.ram"
-    os.mkfifo(fifo)  # the copier's open waits for a writer that never comes
+    os.mkfifo(fifo)  # no regular file: a copier's, whose open waits for a writer
     stalled = stateload.MemoryCopy(dataclasses.replace(saved, state=str(fifo)[:-4]),
                                    1 << 20, None)
     async with asyncio.timeout(10):  # its exec, on a loaded machine

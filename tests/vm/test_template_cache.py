@@ -1,12 +1,18 @@
 """The templates' page cache (shim/vm/template/cache.py): a template's memory warmed is
-charged to the cache's cgroup; a pod's copier reads it from there without being charged
-for it, and reads one that is not warm past the page cache, leaving nothing there. On
-this host's cgroup v1 memory hierarchy, with real processes in real cgroups (the charge
-of a page goes to the cgroup of the process that brought it in: the same rule on v2)."""
+charged to the cache's cgroup; a pod's copy reads it from there without being charged
+for it, and reads one that is not warm past the page cache, leaving nothing there; the
+copy is charged to the pod for its memfd alone, made by a copier process started in
+the pod's cgroup (a shim outside it) or by a thread of a shim inside it. On this host's
+cgroup v1 memory hierarchy, with real processes in real cgroups (the charge of a page
+goes to the cgroup of the process that brought it in: the same rule on v2)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import pathlib
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -15,6 +21,7 @@ from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 from shim.vm import memcopy, stateload
 from shim.vm.template import cache
 from testbed import reboot
+from testbed.containerd import REPO_ROOT
 from testbed.prereqs import require_root
 from testbed.vmconfig import vm_config
 
@@ -63,12 +70,16 @@ def memory_file(directory: pathlib.Path) -> tuple[str, dict[int, bytes]]:
 
 
 async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: str,
-                          made: list) -> tuple[str, int]:
-    """`path` copied as a pod's copier copies it, in a pod cgroup of its own: which of its
+                          made: list, where: str) -> tuple[str, int]:
+    """`path` copied as a pod's restore copies it, in a pod cgroup of its own: which of its
     chunks it read from the page cache (stateload.cached_chunks' form), and what that
-    cgroup is charged once the copier has exited (the memfd it filled held meanwhile)."""
+    cgroup is charged for the copy (the memfd it filled held meanwhile). `where`:
+    "copier", a process of its own started in the pod cgroup (a shim outside it), or
+    "shim", a thread of a process in the pod cgroup (a shim placed there)."""
     pod = SandboxCgroup.create(SandboxLayout(parent, name), CgroupLimits())
     made.append(pod)
+    if where == "shim":
+        return await copied_inside(path, data, pod)
     memfd = os.memfd_create("t")
     try:
         chunks = await stateload.copy_memory(path, os.dup(memfd), SIZE,
@@ -80,8 +91,40 @@ async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: 
         os.close(memfd)
 
 
+SHIM_INSIDE = """
+import asyncio, json, os, pathlib, sys
+from shim.vm import stateload
+path, size, sha, charge = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+memfd = os.memfd_create("t")
+before = int(pathlib.Path(charge).read_text())
+chunks = asyncio.run(stateload.copy_memory(path, os.dup(memfd), size, sha, None))
+print(json.dumps({"chunks": chunks, "before": before, "memfd": memfd}), flush=True)
+sys.stdin.readline()  # the memfd held until the test has read the charge
+"""
+"""A process in the pod cgroup copying in a thread of its own (preexec None), as a shim
+placed in its sandbox cgroup does: its charge read before the copy, after its imports."""
+
+
+async def copied_inside(path: str, data: dict[int, bytes], pod: SandboxCgroup
+                        ) -> tuple[str, int]:
+    charge = f"/sys/fs/cgroup/memory{pod.layout.sandbox}/memory.usage_in_bytes"
+    shim = pod.spawn([sys.executable, "-c", SHIM_INSIDE, path, str(SIZE),
+                      stateload.digest(path), charge], cwd=REPO_ROOT,
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        said = json.loads(await asyncio.to_thread(shim.stdout.readline))
+        with open(f"/proc/{shim.pid}/fd/{said['memfd']}", "rb") as memfd:
+            for offset, chunk in data.items():
+                assert os.pread(memfd.fileno(), len(chunk), offset) == chunk
+        return said["chunks"], memory_charged(pod.layout.sandbox) - said["before"]
+    finally:
+        shim.stdin.close()
+        assert shim.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("where", ["copier", "shim"])
 async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_the_pod(
-        tmp_path, cgroups_here) -> None:
+        tmp_path, cgroups_here, where) -> None:
     template_cgroup, pods, made = cgroups_here
     q = vm_config(template_cgroup=template_cgroup, template_max_mib=256).qemu
     path, content = memory_file(tmp_path)
@@ -90,7 +133,7 @@ async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_t
 
     # Not warm: read past the page cache; the pod pays for its memfd only, and nothing
     # of the file is left cached (charged to it).
-    chunks, charged = await copied_by_a_pod(path, content, pods, "cold", made)
+    chunks, charged = await copied_by_a_pod(path, content, pods, "cold", made, where)
     data_chunks = "".join("0" if any(o <= c * memcopy.CHUNK < o + n for o, n in DATA.items())
                           else "-" for c in range(SIZE // memcopy.CHUNK))
     assert chunks == data_chunks, "none of it from the page cache, holes not read"
@@ -108,7 +151,7 @@ async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_t
         == "", "the warmer has exited"
 
     # Warm: read from the page cache, which stays charged to the cache, not the pod.
-    chunks, charged = await copied_by_a_pod(path, content, pods, "warm", made)
+    chunks, charged = await copied_by_a_pod(path, content, pods, "warm", made, where)
     assert chunks == data_chunks.replace("0", "1"), "all of it from the page cache"
     assert data <= charged < data + SLACK, charged / MIB
     assert stateload.resident(path)
@@ -124,7 +167,7 @@ async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_t
     partly = stateload.cached_chunks(path)
     assert partly == data_chunks[:4].replace("0", "1") + "0" + \
         data_chunks[5:].replace("0", "1"), partly
-    chunks, charged = await copied_by_a_pod(path, content, pods, "partly", made)
+    chunks, charged = await copied_by_a_pod(path, content, pods, "partly", made, where)
     assert chunks == partly
     assert data <= charged < data + SLACK, charged / MIB
     assert stateload.cached_chunks(path) == partly, "nothing read into the page cache"
