@@ -140,7 +140,7 @@ async def _copy_here(path: str, memfd: int, size: int, sha256: str, chunks: str)
 
 
 async def _copy_apart(path: str, memfd: int, size: int, sha256: str, chunks: str,
-                      preexec: Callable[[], None]) -> str:
+                      preexec: Callable[[], None] | None) -> str:
     """memcopy.py run as a process started with `preexec`; what it said went wrong."""
     copier = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256, str(memfd),
