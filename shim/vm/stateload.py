@@ -164,13 +164,24 @@ class MemoryCopy:
     copy is a restore's longest step. The VM take()s the memfd and the copy (then they
     are its to close and stop); close() stops one no VM took."""
 
-    def __init__(self, saved: SavedVM, size: int, preexec: Callable[[], None] | None
-                 ) -> None:
+    def __init__(self, saved: SavedVM, size: int,
+                 preexec: Callable[[], Callable[[], None] | None],
+                 made: Awaitable[object] | None = None) -> None:
+        """`preexec()` gives copy_memory's `preexec` (SandboxCgroup.preexec: None where
+        this process is in the sandbox cgroup), asked once `made` (the sandbox cgroup
+        being made, where given) is done."""
         self.saved = saved
         self.taken = False
         self.memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
-        self.done: asyncio.Future[str] = asyncio.ensure_future(copy_memory(
-            saved.memory, os.dup(self.memfd), size, saved.memory_sha256, preexec))
+        self.done: asyncio.Future[str] = asyncio.ensure_future(
+            self._copy(size, preexec, made))
+
+    async def _copy(self, size: int, preexec: Callable[[], Callable[[], None] | None],
+                    made: Awaitable[object] | None) -> str:
+        if made is not None:
+            await made
+        return await copy_memory(self.saved.memory, os.dup(self.memfd), size,
+                                 self.saved.memory_sha256, preexec())
 
     def take(self) -> tuple[int, asyncio.Future[str]]:
         self.taken = True

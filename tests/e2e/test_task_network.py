@@ -126,8 +126,10 @@ async def test_the_vm_is_the_pod_on_its_network(tmp_path, rootfs, netns) -> None
 async def test_an_attach_that_fails_while_the_template_is_copied_leaves_nothing(
         tmp_path, rootfs, netns) -> None:
     """A pod whose shape has a template copies the template's memory while its taps are
-    made (shim/vm/template/restore.py, copy_ahead); an attach that fails then stops the copy,
-    whose process is in the sandbox cgroup, and the pod leaves nothing behind."""
+    made (shim/vm/template/restore.py, copy_ahead), and makes its sandbox cgroup in a
+    thread meanwhile; an attach that fails then stops the copy (the shim's threads, in
+    the sandbox cgroup, or a copier process there) once the cgroup is made, and the pod
+    leaves nothing behind: no copier, no memfd, no cgroup."""
     pod, _ = netns
     q = vm_config().qemu
     await asyncio.to_thread(warm, q, f"{q.default_vcpus}:{q.default_memory}:1:1400")

@@ -226,7 +226,7 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monke
     saved = SavedVM(state=str(memory)[:-len(".ram")], state_sha256="",
                     memory_sha256=stateload.digest(str(memory)))
     assert saved.memory == str(memory)
-    taken = stateload.MemoryCopy(saved, 1 << 20, None)
+    taken = stateload.MemoryCopy(saved, 1 << 20, lambda: None)
     memfd, done = taken.take()
     await done
     await taken.close()  # the VM's: nothing to do here
@@ -255,7 +255,8 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monke
 
     monkeypatch.setattr(memcopy.os, "pwrite", slow_pwrite)
     copying = stateload.MemoryCopy(SavedVM(state=str(big)[:-4], state_sha256="",
-                                           memory_sha256="0" * 64), 64 << 20, None)
+                                           memory_sha256="0" * 64), 64 << 20,
+                                   lambda: None)
     async with asyncio.timeout(10):
         while not writes:
             await asyncio.sleep(0.01)
@@ -272,7 +273,7 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monke
     fifo = tmp_path / "stalled.ram"
     os.mkfifo(fifo)  # no regular file: a copier's, whose open waits for a writer
     stalled = stateload.MemoryCopy(dataclasses.replace(saved, state=str(fifo)[:-4]),
-                                   1 << 20, None)
+                                   1 << 20, lambda: None)
     async with asyncio.timeout(10):  # its exec, on a loaded machine
         while len(copiers()) != 1:
             await asyncio.sleep(0.05)

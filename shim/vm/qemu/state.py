@@ -55,7 +55,8 @@ def open_memory(spec: VMSpec, restore_from: SavedVM | None,
     file or a symlink's target), for a VM to be saved."""
     if restore_from is not None:
         if ahead is None:
-            ahead = stateload.MemoryCopy(restore_from, spec.memory_mib << 20, preexec)
+            ahead = stateload.MemoryCopy(restore_from, spec.memory_mib << 20,
+                                         lambda: preexec)
         return ahead.take()
     if spec.memory_path:
         return os.open(spec.memory_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ...network.model import PlaceholderNic, PodNetwork
 from .. import vmm
@@ -60,10 +60,12 @@ class Restorer:
             return None
         return maker.class_of(spec)
 
-    def copy_ahead(self, spec: VMSpec, network: PodNetwork) -> None:
+    def copy_ahead(self, spec: VMSpec, network: PodNetwork, made: Awaitable[object]
+                   ) -> None:
         """The memory of the template that `spec` with `network`'s interfaces will
-        restore, copied from now on (into the pod's cgroup, made already); nothing where
-        it has none. What goes wrong is left to the launch, which finds it again."""
+        restore, copied from now on, or from when `made` (the pod's sandbox cgroup being
+        made: the copy is charged there) is done; nothing where it has none. What goes
+        wrong is left to the launch, which finds it again."""
         nics = tuple(PlaceholderNic(index, itf.mtu)
                      for index, itf in enumerate(network.interfaces))
         shape = self._shape(dataclasses.replace(spec, nics=nics))
@@ -73,7 +75,7 @@ class Restorer:
         try:
             if template.exists():
                 self._ahead = template.key, MemoryCopy(
-                    template.saved(), shape.memory_mib << 20, self._cgroup.preexec())
+                    template.saved(), shape.memory_mib << 20, self._cgroup.preexec, made)
                 log.info("sandbox %s: template %s's memory copied ahead, as the network "
                          "is attached", self.id, template.key)
         except (OSError, RestoreFailed) as exc:
