@@ -168,9 +168,9 @@ class Machine:
                 nics = await self.network.attach(
                     lambda network: self.restorer.copy_ahead(spec, network, made))
                 self.vm = vm = vmm.create(dataclasses.replace(spec, nics=nics))
-            await made
-            started = time.monotonic()
             try:
+                await made
+                started = time.monotonic()
                 template = await self.restorer.launch(vm, self._launching)
             finally:
                 for nic in vm.spec.nics:  # QEMU has its own copies now (or none: it failed)
