@@ -25,6 +25,7 @@ import uuid
 
 from . import bridgenet, image
 from .bytecode import compile_shim
+from .cgroupdirs import cgroup_dirs
 from .namespaces import run_namespace
 from .vmconfig import vmm_env
 
@@ -299,16 +300,6 @@ def podvm_runtime_section(config_path: str | None) -> str:
     if runtime.get("runtime_type") != "io.containerd.podvm.v2":
         raise RuntimeError(f"{PODVM_SNIPPET}: runtime_type is not io.containerd.podvm.v2")
     return text
-
-
-def cgroup_dirs(name: str) -> list[str]:
-    """`name` (relative to the root cgroup) in every mounted hierarchy where it exists."""
-    found = [os.path.join("/sys/fs/cgroup", name)]  # cgroup v2 mounted at /sys/fs/cgroup
-    found += [os.path.join(h, name) for h in
-              (os.path.join("/sys/fs/cgroup", e) for e in os.listdir("/sys/fs/cgroup"))]
-    unique = {os.path.realpath(d): d for d in found  # cpu,cpuacct links to cpu ...
-              if os.path.isfile(os.path.join(d, "cgroup.procs"))}
-    return sorted(unique)
 
 
 def _has_cap_sys_resource() -> bool:

@@ -37,7 +37,8 @@ import psutil
 from podvm_core.treegc import alive
 from shim.host import jailids, paths
 
-from .containerd import CRI_NAMESPACE, Containerd, cgroup_dirs, mounts_under, shims_of
+from .cgroupdirs import cgroup_dirs
+from .containerd import CRI_NAMESPACE, Containerd, mounts_under, shims_of
 from .cri import Crictl
 
 
@@ -170,8 +171,3 @@ def _remove_cgroups(parent: str) -> list[str]:
             os.rmdir(dirpath)
             removed.append(f"cgroup {dirpath}")
     return removed
-
-
-def cgroups_below(parent: str) -> list[str]:
-    """The cgroups at or below `parent` in every hierarchy."""
-    return [w[0] for top in cgroup_dirs(parent.strip("/")) for w in os.walk(top)]

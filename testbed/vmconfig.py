@@ -13,6 +13,7 @@ import tempfile
 from shim.config import Config, HypervisorConfig, RuntimeConfig, load
 from shim.vm.template import maker as templatemaker
 
+from .cgroupdirs import cgroups_below
 from .prereqs import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,9 +35,6 @@ _OWNER = os.getpid()
 def remove_templates() -> None:
     shutil.rmtree(TEMPLATES, ignore_errors=True)
     shutil.rmtree(f"{TEMPLATES}-scratch", ignore_errors=True)
-    # here, not at the top: testbed.reboot imports testbed.containerd, which imports this
-    from .reboot import cgroups_below
-
     # each template's own cgroup went with its VM; what is left, the page cache's
     # (shim/vm/template/cache.py), holds pages and no process: deepest first
     for cgroup in reversed(cgroups_below(TEMPLATE_CGROUP)):

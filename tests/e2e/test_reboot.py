@@ -25,7 +25,7 @@ import pytest
 from shim.host import paths
 from shim.resources.annotations import KATA
 from shim.vm.template.store import MAKING_FILE
-from testbed import reboot
+from testbed import cgroupdirs, reboot
 from testbed.containerd import CRI_NAMESPACE, SHIM_BIN_DIR, Containerd
 from testbed.cri import Crictl, write_config
 from testbed.pods import container_config, pod_config, podvm_leftovers, qemus
@@ -49,7 +49,7 @@ def node(tmp_path_factory, image_cache, pod_network):
             yield {"ctd": c, "store": workdir / "store", "scratch": workdir / "store-scratch",
                    "template_cgroup": template_cgroup, "configs": workdir / "configs"}
     finally:
-        for cgroup in reversed(reboot.cgroups_below(template_cgroup)):
+        for cgroup in reversed(cgroupdirs.cgroups_below(template_cgroup)):
             os.rmdir(cgroup)
 
 
@@ -197,9 +197,9 @@ def test_a_node_reboot_leaves_nothing_stale_and_blocks_no_pod(node) -> None:
     assert all(re.fullmatch(r"blank-\d+M-[0-9a-f]+\.ext4|\.lock", n) for n in scratch), \
         scratch
     # no template cgroup left, but the page cache's (shim/vm/template/cache.py), which stays
-    assert [c for c in reboot.cgroups_below(node["template_cgroup"])
+    assert [c for c in cgroupdirs.cgroups_below(node["template_cgroup"])
             if os.path.basename(c) != node["template_cgroup"].strip("/")
             and "/podvm_templates-cache" not in c] == []
-    assert [c for c in reboot.cgroups_below(ctd.cgroup_parent)
+    assert [c for c in cgroupdirs.cgroups_below(ctd.cgroup_parent)
             if any(pod in c for pod in (old, again, fresh))] == []
 

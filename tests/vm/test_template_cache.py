@@ -20,7 +20,7 @@ import pytest
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 from shim.vm import memcopy, stateload
 from shim.vm.template import cache
-from testbed import reboot
+from testbed import cgroupdirs
 from testbed.containerd import REPO_ROOT
 from testbed.prereqs import require_root
 from testbed.vmconfig import vm_config
@@ -51,7 +51,7 @@ def cgroups_here():
     for cgroup in made:
         cgroup.destroy()
     for top in (f"/podvm-test-tcache-{tag}", f"/podvm-test-tpods-{tag}"):
-        for cgroup in reversed(reboot.cgroups_below(top)):  # deepest first
+        for cgroup in reversed(cgroupdirs.cgroups_below(top)):  # deepest first
             os.rmdir(cgroup)
 
 
