@@ -122,6 +122,79 @@ async def copied_inside(path: str, data: dict[int, bytes], pod: SandboxCgroup
         assert shim.wait(timeout=30) == 0
 
 
+WARM_TRIES = 5
+
+PIN = """
+import ctypes, json, mmap, os, sys
+from shim.vm import memcopy, stateload
+path = sys.argv[1]
+before = stateload.cached_chunks(path)  # what the warm left, before this reads any
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+fd = os.open(path, os.O_RDONLY)
+size = os.fstat(fd).st_size
+base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+for offset, length in memcopy.extents(fd):  # the data only: a hole locked would be read
+    if libc.mlock(ctypes.c_void_p(base + offset), ctypes.c_size_t(length)):
+        raise OSError(ctypes.get_errno(), "mlock")
+print(json.dumps(before), flush=True)
+for line in sys.stdin:  # "OFFSET LENGTH": unlocked and unmapped, so it can be evicted
+    offset, length = map(int, line.split())
+    if libc.munmap(ctypes.c_void_p(base + offset), ctypes.c_size_t(length)):
+        raise OSError(ctypes.get_errno(), "munmap")
+    print("released", flush=True)
+"""
+"""Locks a file's data in the page cache (what a page's lock reads in is charged to this
+process's cgroup, as a warm's read is), after saying which of its chunks were cached."""
+
+
+class Pinned:
+    """PIN run in `cgroup` over `path`; `before`: its chunks cached before it locked."""
+
+    def __init__(self, path: str, cgroup: SandboxCgroup) -> None:
+        self.proc = cgroup.spawn([sys.executable, "-c", PIN, path], cwd=REPO_ROOT,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line, f"the pinning process ended: {self.proc.wait()}"
+        self.before: str = json.loads(line)
+
+    def release(self, offset: int, length: int) -> None:
+        self.proc.stdin.write(f"{offset} {length}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline() == "released\n"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=30) == 0
+
+
+async def warmed_and_pinned(q, path: str) -> "Pinned":
+    """`path` warmed by cache.warm, then its data locked in the page cache by a process
+    in the cache's cgroup once that process found all of it cached. This host's DAMON
+    pages out page cache it finds in physical regions idle for a minute, fresh pages
+    too, seconds after they were read: nothing below could otherwise say what the copy
+    did and what the host did. A warm that leaves anything uncached is tried again, so
+    a warm that reads nothing fails every try."""
+    cache_cgroup = cache.layout(q).sandbox
+    seen = []
+    for _ in range(WARM_TRIES):
+        assert await cache.warm(q, path)
+        assert os.listdir(f"/sys/fs/cgroup/memory{cache_cgroup}") and \
+            pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/memory.limit_in_bytes"
+                         ).read_text().strip() == str(256 * MIB)
+        assert pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/cgroup.procs"
+                            ).read_text() == "", "the warmer has exited"
+        pin = Pinned(path, SandboxCgroup.create(cache.layout(q), None))
+        if "0" not in pin.before:
+            assert memory_charged(cache_cgroup) >= sum(DATA.values())
+            return pin
+        seen.append(pin.before)
+        pin.close()
+    pytest.fail(f"warmed {WARM_TRIES} times, never all of it cached: {seen}")
+
+
 @pytest.mark.parametrize("where", ["copier", "shim"])
 async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_the_pod(
         tmp_path, cgroups_here, where) -> None:
@@ -140,37 +213,31 @@ async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_t
     assert data <= charged < data + SLACK, charged / MIB
     assert not stateload.resident(path)
 
-    assert await cache.warm(q, path)
-    assert stateload.resident(path)
-    cache_cgroup = cache.layout(q).sandbox
-    assert memory_charged(cache_cgroup) >= data
-    assert os.listdir(f"/sys/fs/cgroup/memory{cache_cgroup}") and \
-        pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/memory.limit_in_bytes"
-                     ).read_text().strip() == str(256 * MIB)
-    assert pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/cgroup.procs").read_text() \
-        == "", "the warmer has exited"
+    pin = await warmed_and_pinned(q, path)
+    try:
+        # Warm: read from the page cache, not charged to the pod.
+        chunks, charged = await copied_by_a_pod(path, content, pods, "warm", made, where)
+        assert chunks == data_chunks.replace("0", "1"), "all of it from the page cache"
+        assert data <= charged < data + SLACK, charged / MIB
 
-    # Warm: read from the page cache, which stays charged to the cache, not the pod.
-    chunks, charged = await copied_by_a_pod(path, content, pods, "warm", made, where)
-    assert chunks == data_chunks.replace("0", "1"), "all of it from the page cache"
-    assert data <= charged < data + SLACK, charged / MIB
-    assert stateload.resident(path)
-    assert memory_charged(cache_cgroup) >= data
+        assert await cache.warm(q, path), "warm already: nothing to read"
 
-    assert await cache.warm(q, path), "warm already: nothing to read"
-
-    # Partly evicted (the host reclaims clean page cache as it needs): the chunks still
-    # cached are read there, the rest past the page cache, and neither is charged.
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 8 * MIB, MIB, os.POSIX_FADV_DONTNEED)  # half of chunk 4
-    os.close(fd)
-    partly = stateload.cached_chunks(path)
-    assert partly == data_chunks[:4].replace("0", "1") + "0" + \
-        data_chunks[5:].replace("0", "1"), partly
-    chunks, charged = await copied_by_a_pod(path, content, pods, "partly", made, where)
-    assert chunks == partly
-    assert data <= charged < data + SLACK, charged / MIB
-    assert stateload.cached_chunks(path) == partly, "nothing read into the page cache"
+        # Partly evicted (the host reclaims clean page cache as it needs): the chunks
+        # still cached are read there, the rest past the page cache, and neither is
+        # charged.
+        pin.release(8 * MIB, MIB)  # half of chunk 4, unlocked and out of the page cache
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 8 * MIB, MIB, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        partly = stateload.cached_chunks(path)
+        assert partly == data_chunks[:4].replace("0", "1") + "0" + \
+            data_chunks[5:].replace("0", "1"), partly
+        chunks, charged = await copied_by_a_pod(path, content, pods, "partly", made, where)
+        assert chunks == partly
+        assert data <= charged < data + SLACK, charged / MIB
+        assert stateload.cached_chunks(path) == partly, "nothing read into the page cache"
+    finally:
+        pin.close()
 
 
 async def test_a_template_that_cannot_be_warmed_says_so_and_stays_cold(
