@@ -22,6 +22,7 @@ import os
 import stat
 import sys
 import threading
+import time
 from typing import Awaitable, Callable
 
 from .. import libc
@@ -172,6 +173,8 @@ class MemoryCopy:
         being made, where given) is done."""
         self.saved = saved
         self.taken = False
+        self.seconds = 0.0
+        """How long the copy took, from its start (once `made`) to its end."""
         self.memfd = os.memfd_create("podvm-guest-ram", os.MFD_CLOEXEC)
         self.done: asyncio.Future[str] = asyncio.ensure_future(
             self._copy(size, preexec, made))
@@ -180,8 +183,12 @@ class MemoryCopy:
                     made: Awaitable[object] | None) -> str:
         if made is not None:
             await made
-        return await copy_memory(self.saved.memory, os.dup(self.memfd), size,
-                                 self.saved.memory_sha256, preexec())
+        started = time.monotonic()
+        try:
+            return await copy_memory(self.saved.memory, os.dup(self.memfd), size,
+                                     self.saved.memory_sha256, preexec())
+        finally:
+            self.seconds = time.monotonic() - started
 
     def take(self) -> tuple[int, asyncio.Future[str]]:
         self.taken = True
