@@ -10,6 +10,7 @@ import pathlib
 
 import cgroups
 from cgroups import shares_to_weight
+from testbed.cgroupdirs import remove_below
 
 PERIOD_US = 100_000
 
@@ -77,10 +78,7 @@ def cpu_seconds(manager: cgroups.CgroupManager, path: str) -> float:
 def remove_tree(manager: cgroups.CgroupManager, path: str) -> None:
     """rmdir a cgroup and everything under it, deepest first, in every hierarchy."""
     for root in hierarchy_roots(manager):
-        top = os.path.join(root, path.lstrip("/"))
-        for d, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(d)
+        remove_below(os.path.join(root, path.lstrip("/")))
 
 
 def stale(directory: str, prefix: str) -> list[str]:

@@ -25,7 +25,7 @@ import uuid
 
 from . import bridgenet, image
 from .bytecode import compile_shim
-from .cgroupdirs import cgroup_dirs
+from .cgroupdirs import cgroup_dirs, remove_below
 from .namespaces import run_namespace
 from .vmconfig import vmm_env
 
@@ -264,15 +264,11 @@ disabled_plugins = {'[]' if self.cri else json.dumps([CRI_PLUGIN])}
         made = [d for d in cgroup_dirs(CRI_NAMESPACE) + cgroup_dirs(self.namespace)
                 if d not in self._cgroups_before]
         for top in ours + made:
-            for dirpath in sorted((w[0] for w in os.walk(top)), key=lambda d: -d.count("/")):
-                try:
-                    os.rmdir(dirpath)  # a cgroup goes once it has no tasks and no children
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    if top in ours:
-                        self.forced.append(f"cgroup {dirpath} left: {exc.strerror}")
-                    break
+            try:
+                remove_below(top)
+            except OSError as exc:
+                if top in ours:
+                    self.forced.append(f"cgroup {exc.filename} left: {exc.strerror}")
 
     def __enter__(self) -> "Containerd":
         return self.start()

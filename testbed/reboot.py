@@ -37,7 +37,7 @@ import psutil
 from podvm_core.treegc import alive
 from shim.host import jailids, paths
 
-from .cgroupdirs import cgroup_dirs
+from .cgroupdirs import remove_cgroup
 from .containerd import CRI_NAMESPACE, Containerd, mounts_under, shims_of
 from .cri import Crictl
 
@@ -165,9 +165,4 @@ def _remove_claims(pod_ids: list[str]) -> list[str]:
 
 def _remove_cgroups(parent: str) -> list[str]:
     """`parent` and every cgroup below it, in each hierarchy, deepest first."""
-    removed = []
-    for top in cgroup_dirs(parent.strip("/")):
-        for dirpath in sorted((w[0] for w in os.walk(top)), key=lambda d: -d.count("/")):
-            os.rmdir(dirpath)
-            removed.append(f"cgroup {dirpath}")
-    return removed
+    return [f"cgroup {d}" for d in remove_cgroup(parent)]

@@ -13,7 +13,7 @@ import tempfile
 from shim.config import Config, HypervisorConfig, RuntimeConfig, load
 from shim.vm.template import maker as templatemaker
 
-from .cgroupdirs import cgroups_below
+from .cgroupdirs import cgroup_dirs, remove_below
 from .prereqs import require, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,9 +37,9 @@ def remove_templates() -> None:
     shutil.rmtree(f"{TEMPLATES}-scratch", ignore_errors=True)
     # each template's own cgroup went with its VM; what is left, the page cache's
     # (shim/vm/template/cache.py), holds pages and no process: deepest first
-    for cgroup in reversed(cgroups_below(TEMPLATE_CGROUP)):
+    for top in cgroup_dirs(TEMPLATE_CGROUP.strip("/")):
         try:
-            os.rmdir(cgroup)
+            remove_below(top)
         except OSError:
             pass
 

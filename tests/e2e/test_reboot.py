@@ -49,8 +49,7 @@ def node(tmp_path_factory, image_cache, pod_network):
             yield {"ctd": c, "store": workdir / "store", "scratch": workdir / "store-scratch",
                    "template_cgroup": template_cgroup, "configs": workdir / "configs"}
     finally:
-        for cgroup in reversed(cgroupdirs.cgroups_below(template_cgroup)):
-            os.rmdir(cgroup)
+        cgroupdirs.remove_cgroup(template_cgroup)
 
 
 def runp(crictl: Crictl, node: dict, name: str, **extra) -> tuple[str, pathlib.Path]:

@@ -51,8 +51,7 @@ def cgroups_here():
     for cgroup in made:
         cgroup.destroy()
     for top in (f"/podvm-test-tcache-{tag}", f"/podvm-test-tpods-{tag}"):
-        for cgroup in reversed(cgroupdirs.cgroups_below(top)):  # deepest first
-            os.rmdir(cgroup)
+        cgroupdirs.remove_cgroup(top)
 
 
 def memory_file(directory: pathlib.Path) -> tuple[str, dict[int, bytes]]:
