@@ -126,9 +126,7 @@ def refusal(q: HypervisorConfig) -> str:
     """Why this configuration keeps no templates; "" when it keeps them."""
     if not q.enable_template:
         return "enable_template = false"
-    if not store.store_trusted(q.template_path):
-        return store.untrusted_store(q.template_path)
-    return ""
+    return store.refusal(q.template_path)
 
 
 def class_of(spec: VMSpec) -> VMSpec | None:

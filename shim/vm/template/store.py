@@ -32,13 +32,13 @@ REMOTE_FILE_SYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs",
                        "ceph", "glusterfs", "afs", "lustre", "gfs2", "ocfs2")
 
 
-def store_trusted(directory: str) -> bool:
-    """Templates may be kept in `directory`; if not, the one line that says why and that
-    pods boot."""
+def refusal(directory: str) -> str:
+    """Why templates may not be kept in `directory` (untrusted_store's), logged in the one
+    line that also says pods boot; "" when they may."""
     why = untrusted_store(directory)
     if why:
         log.warning("templates off: %s (pods boot instead)", why)
-    return not why
+    return why
 
 
 def untrusted_store(directory: str) -> str:
