@@ -101,12 +101,15 @@ def memory_file(state: str) -> str:
 
 @dataclass(frozen=True)
 class SavedVM:
-    """A VM that save() wrote, and the digests its two files had then (SHA-256, as
-    shim/vm/stateload.py computes them): launch() loads neither unless it still has
-    them."""
+    """A VM that save() wrote, and the digests its two files had then (SHA-256 per chunk,
+    as shim/vm/stateload.py computes them): launch() loads neither unless it still has
+    them. `memory_stamp`: the memory file's inode and change time once it was in place
+    (memcopy.file_stamp; (0, 0): none): as long as the file has them, what the host's
+    page cache holds of it is taken as checked."""
     state: str
-    state_sha256: str
-    memory_sha256: str
+    state_digests: tuple[str, ...]
+    memory_digests: tuple[str, ...]
+    memory_stamp: tuple[int, int] = (0, 0)
 
     @property
     def memory(self) -> str:

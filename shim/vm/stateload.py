@@ -6,7 +6,8 @@ change it would control the guest of every later pod of its shape):
   gets over QMP (getfd, `migrate-incoming fd:`): QEMU runs under its seccomp sandbox
   (spawn=deny) in a jail where the template is no path, so it cannot read the file;
 - the guest's memory (sparse: only what the guest had in use) copied into the memfd the
-  VM runs on and hashed in the same pass by shim/vm/memcopy.py, in the pod's sandbox
+  VM runs on and checked in the same pass by shim/vm/memcopy.py (what it reads from the
+  host's page cache was checked once, when a warm read it in), in the pod's sandbox
   cgroup (the pages are the pod's: a thread of the shim placed there, else a process
   started there), checked before QEMU loads the state.
 Neither is charged to the pod as it is read: the state is read past the host's page
@@ -16,7 +17,6 @@ keeps it in its page cache (warm: shim/vm/template/cache.py), when it is read fr
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import mmap
 import os
 import stat
@@ -32,14 +32,15 @@ from .hypervisor import RestoreFailed, SavedVM
 FD_NAME = "template"
 
 
-def digest(path: str) -> str:
-    """The digest of the file at `path`."""
+def digest(path: str) -> list[str]:
+    """The digests of the file at `path`, one per memcopy.CHUNK ("" where it has no
+    data)."""
     fd = memcopy.open_direct(path)
     try:
-        h = hashlib.sha256()
-        for _ in memcopy.hashed(fd, h, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
+        digests = memcopy.Digests(os.fstat(fd).st_size)
+        for _ in memcopy.pieces(fd, digests, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
             pass
-        return h.hexdigest()
+        return digests.result()
     finally:
         os.close(fd)
 
@@ -78,43 +79,47 @@ def cached_chunks(path: str) -> str:
         os.close(fd)
 
 
-def read_state(path: str, sha256: str) -> bytes:
-    """The state in `path`, whole, if it still has `sha256`; RestoreFailed otherwise."""
-    h = hashlib.sha256()
+def read_state(path: str, saved: list[str] | tuple[str, ...]) -> bytes:
+    """The state in `path`, whole, if it still has the digests `saved`; RestoreFailed
+    otherwise."""
     try:
         fd = memcopy.open_direct(path)
         try:
+            digests = memcopy.Digests(os.fstat(fd).st_size)
             view = memoryview(mmap.mmap(-1, memcopy.CHUNK))  # page-aligned, for O_DIRECT
-            data = b"".join(bytes(chunk) for _, chunk in memcopy.hashed(fd, h, view))
+            data = b"".join(bytes(chunk) for _, chunk in memcopy.pieces(fd, digests, view))
         finally:
             os.close(fd)
     except OSError as exc:
         raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
-    wrong = memcopy.changed(path, h.hexdigest(), sha256)
+    wrong = memcopy.changed(path, digests.result(), list(saved))
     if wrong:
         raise RestoreFailed(f"the template file {wrong}")
     return data
 
 
-async def copy_memory(path: str, memfd: int, size: int, sha256: str,
+async def copy_memory(saved: SavedVM, memfd: int, size: int,
                       preexec: Callable[[], None] | None) -> str:
-    """The memory in `path` into `memfd` (`size` bytes; a descriptor of its own, closed
-    here) if it still has `sha256`, RestoreFailed otherwise (then what was copied is
-    never run), so that the pages are charged to the pod's sandbox cgroup: by a thread
-    of this process where `preexec` is None (this process is in that cgroup) and `path`
-    a regular file, else by shim/vm/memcopy.py run as a process started there (with
-    `preexec`), which can be killed where its reads wait for ever (a FIFO planted in the
-    template's place). Which of its chunks were read from the host's page cache:
+    """The memory of `saved` into `memfd` (`size` bytes; a descriptor of its own, closed
+    here) if each chunk still has the digest recorded at save (a chunk in the host's
+    page cache is taken as checked while the file has the stamp recorded then:
+    memcopy.copy), RestoreFailed otherwise (then what was copied is never run), so that
+    the pages are charged to the pod's sandbox cgroup: by a thread of this process where
+    `preexec` is None (this process is in that cgroup) and the memory a regular file,
+    else by shim/vm/memcopy.py run as a process started there (with `preexec`), which
+    can be killed where its reads wait for ever (a FIFO planted in the template's
+    place). Which of its chunks were read from the host's page cache:
     cached_chunks' string."""
+    path = saved.memory
     try:
         # The chunks in the page cache are read there. Asked here, not in a thread (a few
         # ms of mincore): the copy then starts in this task's first step, before the loop
         # goes on to start QEMU, whose fork holds it while QEMU's jail is made.
         chunks = cached_chunks(path)
         if preexec is None and chunks:  # else no regular file: a process can be killed
-            wrong = await _copy_here(path, memfd, size, sha256, chunks)
+            wrong = await _copy_here(saved, memfd, size, chunks)
         else:
-            wrong = await _copy_apart(path, memfd, size, sha256, chunks, preexec)
+            wrong = await _copy_apart(saved, memfd, size, chunks, preexec)
     except OSError as exc:
         raise RestoreFailed(f"cannot copy the template's memory {path}: "
                             f"{exc.strerror}") from None
@@ -125,13 +130,14 @@ async def copy_memory(path: str, memfd: int, size: int, sha256: str,
     return chunks
 
 
-async def _copy_here(path: str, memfd: int, size: int, sha256: str, chunks: str) -> str:
+async def _copy_here(saved: SavedVM, memfd: int, size: int, chunks: str) -> str:
     """memcopy.copy in a thread of this process: no process to start (its fork, exec and
     interpreter took 25-35 ms of a restore's longest step). Cancelled, the copy stops
     before its next chunk and is waited for."""
     stop = threading.Event()
     copying = asyncio.ensure_future(asyncio.to_thread(
-        memcopy.copy, path, size, sha256, memfd, chunks, stop.is_set))
+        memcopy.copy, saved.memory, size, list(saved.memory_digests), memfd, chunks,
+        saved.memory_stamp, stop.is_set))
     try:
         return await asyncio.shield(copying)
     except asyncio.CancelledError:
@@ -140,16 +146,17 @@ async def _copy_here(path: str, memfd: int, size: int, sha256: str, chunks: str)
         raise
 
 
-async def _copy_apart(path: str, memfd: int, size: int, sha256: str, chunks: str,
+async def _copy_apart(saved: SavedVM, memfd: int, size: int, chunks: str,
                       preexec: Callable[[], None] | None) -> str:
     """memcopy.py run as a process started with `preexec`; what it said went wrong."""
+    inode, ctime = saved.memory_stamp
     copier = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", memcopy.__file__, path, str(size), sha256, str(memfd),
-        *([chunks] if "1" in chunks else []), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        pass_fds=[memfd], preexec_fn=preexec)
+        sys.executable, "-I", "-S", memcopy.__file__, saved.memory, str(size), str(memfd),
+        str(inode), str(ctime), *([chunks] if "1" in chunks else []),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE, pass_fds=[memfd], preexec_fn=preexec)
     try:
-        _, said = await copier.communicate()
+        _, said = await copier.communicate(",".join(saved.memory_digests).encode())
     finally:
         if copier.returncode is None:
             copier.kill()
@@ -185,8 +192,7 @@ class MemoryCopy:
             await made
         started = time.monotonic()
         try:
-            return await copy_memory(self.saved.memory, os.dup(self.memfd), size,
-                                     self.saved.memory_sha256, preexec())
+            return await copy_memory(self.saved, os.dup(self.memfd), size, preexec())
         finally:
             self.seconds = time.monotonic() - started
 

@@ -138,6 +138,14 @@ def test_one_maker_at_a_time(tmp_path) -> None:
     again.release()
 
 
+def saved_memory(memory: pathlib.Path) -> SavedVM:
+    """The memory file `memory` (`<state>.ram`) as a template records it: its digests,
+    and its stamp once in place."""
+    return SavedVM(state=str(memory)[:-len(".ram")], state_digests=(),
+                   memory_digests=tuple(stateload.digest(str(memory))),
+                   memory_stamp=memcopy.file_stamp(os.stat(memory)))
+
+
 async def test_a_memory_copy_keeps_holes_and_is_checked(tmp_path) -> None:
     """What the guest had freed is a hole in the template's memory and stays one in the
     pod's memfd; the copy (shim/vm/memcopy.py, a process of its own) is hashed as it
@@ -149,23 +157,23 @@ async def test_a_memory_copy_keeps_holes_and_is_checked(tmp_path) -> None:
         f.write(b"guest" * 1000)
         f.seek(6 << 20)
         f.write(b"\x01" * 4096)
-    want = stateload.digest(str(memory))
+    want = saved_memory(memory)
     memfd = os.memfd_create("t")
     try:
-        await stateload.copy_memory(str(memory), os.dup(memfd), 8 << 20, want, None)
+        await stateload.copy_memory(want, os.dup(memfd), 8 << 20, None)
         assert os.pread(memfd, 5, 1 << 20) == b"guest"
         assert os.pread(memfd, 4096, 6 << 20) == b"\x01" * 4096
         assert os.fstat(memfd).st_blocks * 512 < 1 << 20  # the holes were not copied
         with pytest.raises(RestoreFailed, match="is 8388608 bytes, not 4194304"):
-            await stateload.copy_memory(str(memory), os.dup(memfd), 4 << 20, want, None)
+            await stateload.copy_memory(want, os.dup(memfd), 4 << 20, None)
         with open(memory, "r+b") as f:  # one byte of it changed since
             f.seek((1 << 20) + 2)
             f.write(b"X")
         with pytest.raises(RestoreFailed, match="changed since it was saved"):
-            await stateload.copy_memory(str(memory), os.dup(memfd), 8 << 20, want, None)
+            await stateload.copy_memory(want, os.dup(memfd), 8 << 20, None)
         with pytest.raises(RestoreFailed, match="cannot copy .*No such file"):
-            await stateload.copy_memory(str(tmp_path / "gone"), os.dup(memfd), 8 << 20,
-                                        want, None)
+            await stateload.copy_memory(dataclasses.replace(want, state=str(
+                tmp_path / "gone")), os.dup(memfd), 8 << 20, None)
     finally:
         os.close(memfd)
 
@@ -187,7 +195,7 @@ def test_a_memory_of_many_chunks_is_copied_whole_as_it_is_read_ahead(tmp_path) -
         for offset, chunk in data.items():
             assert os.pread(memfd, len(chunk), offset) == chunk
         assert os.pread(memfd, 1 << 20, 36 << 20) == bytes(1 << 20)
-        assert "changed since it was saved" in memcopy.copy(str(memory), size, "0" * 64,
+        assert "changed since it was saved" in memcopy.copy(str(memory), size, ["0" * 64],
                                                             memfd)
     finally:
         os.close(memfd)
@@ -209,7 +217,7 @@ def test_a_read_that_fails_in_the_reading_thread_fails_the_copy(tmp_path, monkey
     memfd = os.memfd_create("t")
     try:
         with pytest.raises(OSError, match="Input/output error"):
-            memcopy.copy(str(memory), 6 * memcopy.CHUNK, "0" * 64, memfd)
+            memcopy.copy(str(memory), 6 * memcopy.CHUNK, ["0" * 64] * 6, memfd)
     finally:
         os.close(memfd)
     assert len(reads) == 3  # the reading thread stopped at its error
@@ -223,8 +231,7 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monke
     waited for, and its memfd closed."""
     memory = tmp_path / "m.ram"
     memory.write_bytes(os.urandom(1 << 20))
-    saved = SavedVM(state=str(memory)[:-len(".ram")], state_sha256="",
-                    memory_sha256=stateload.digest(str(memory)))
+    saved = saved_memory(memory)
     assert saved.memory == str(memory)
     taken = stateload.MemoryCopy(saved, 1 << 20, lambda: None)
     memfd, done = taken.take()
@@ -254,8 +261,8 @@ async def test_a_memory_copy_started_ahead_is_the_vms_or_stopped(tmp_path, monke
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(memcopy.os, "pwrite", slow_pwrite)
-    copying = stateload.MemoryCopy(SavedVM(state=str(big)[:-4], state_sha256="",
-                                           memory_sha256="0" * 64), 64 << 20,
+    copying = stateload.MemoryCopy(SavedVM(state=str(big)[:-4], state_digests=(),
+                                           memory_digests=("0" * 64,) * 32), 64 << 20,
                                    lambda: None)
     async with asyncio.timeout(10):
         while not writes:

@@ -19,6 +19,7 @@ import pytest
 
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
 from shim.vm import memcopy, stateload
+from shim.vm.hypervisor import SavedVM
 from shim.vm.template import cache
 from testbed import cgroupdirs
 from testbed.containerd import REPO_ROOT
@@ -68,6 +69,13 @@ def memory_file(directory: pathlib.Path) -> tuple[str, dict[int, bytes]]:
     return str(path), data
 
 
+def saved(path: str) -> SavedVM:
+    """The memory at `path` as a template records it once it is in place: its digests
+    and its stamp (what the page cache holds of it is then taken as checked)."""
+    return SavedVM(path[:-len(".ram")], (), tuple(stateload.digest(path)),
+                   memcopy.file_stamp(os.stat(path)))
+
+
 async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: str,
                           made: list, where: str) -> tuple[str, int]:
     """`path` copied as a pod's restore copies it, in a pod cgroup of its own: which of its
@@ -81,8 +89,8 @@ async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: 
         return await copied_inside(path, data, pod)
     memfd = os.memfd_create("t")
     try:
-        chunks = await stateload.copy_memory(path, os.dup(memfd), SIZE,
-                                             stateload.digest(path), pod.preexec())
+        chunks = await stateload.copy_memory(saved(path), os.dup(memfd), SIZE,
+                                             pod.preexec())
         for offset, chunk in data.items():
             assert os.pread(memfd, len(chunk), offset) == chunk
         return chunks, memory_charged(pod.layout.sandbox)
@@ -93,10 +101,12 @@ async def copied_by_a_pod(path: str, data: dict[int, bytes], parent: str, name: 
 SHIM_INSIDE = """
 import asyncio, json, os, pathlib, sys
 from shim.vm import stateload
-path, size, sha, charge = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from shim.vm.hypervisor import SavedVM
+path, size, charge, digests, inode, ctime = sys.argv[1:]
+saved = SavedVM(path[:-len(".ram")], (), tuple(digests.split(",")), (int(inode), int(ctime)))
 memfd = os.memfd_create("t")
 before = int(pathlib.Path(charge).read_text())
-chunks = asyncio.run(stateload.copy_memory(path, os.dup(memfd), size, sha, None))
+chunks = asyncio.run(stateload.copy_memory(saved, os.dup(memfd), int(size), None))
 print(json.dumps({"chunks": chunks, "before": before, "memfd": memfd}), flush=True)
 sys.stdin.readline()  # the memfd held until the test has read the charge
 """
@@ -107,8 +117,10 @@ placed in its sandbox cgroup does: its charge read before the copy, after its im
 async def copied_inside(path: str, data: dict[int, bytes], pod: SandboxCgroup
                         ) -> tuple[str, int]:
     charge = f"/sys/fs/cgroup/memory{pod.layout.sandbox}/memory.usage_in_bytes"
-    shim = pod.spawn([sys.executable, "-c", SHIM_INSIDE, path, str(SIZE),
-                      stateload.digest(path), charge], cwd=REPO_ROOT,
+    memory = saved(path)
+    shim = pod.spawn([sys.executable, "-c", SHIM_INSIDE, path, str(SIZE), charge,
+                      ",".join(memory.memory_digests), *map(str, memory.memory_stamp)],
+                     cwd=REPO_ROOT,
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         said = json.loads(await asyncio.to_thread(shim.stdout.readline))
@@ -179,7 +191,7 @@ async def warmed_and_pinned(q, path: str) -> "Pinned":
     cache_cgroup = cache.layout(q).sandbox
     seen = []
     for _ in range(WARM_TRIES):
-        assert await cache.warm(q, path)
+        assert await cache.warm(q, path, stateload.digest(path))
         assert os.listdir(f"/sys/fs/cgroup/memory{cache_cgroup}") and \
             pathlib.Path(f"/sys/fs/cgroup/memory{cache_cgroup}/memory.limit_in_bytes"
                          ).read_text().strip() == str(256 * MIB)
@@ -219,7 +231,8 @@ async def test_a_warm_template_is_copied_from_ram_and_charged_to_the_cache_not_t
         assert chunks == data_chunks.replace("0", "1"), "all of it from the page cache"
         assert data <= charged < data + SLACK, charged / MIB
 
-        assert await cache.warm(q, path), "warm already: nothing to read"
+        assert await cache.warm(q, path, stateload.digest(path)), \
+            "warm already: nothing to read"
 
         # Partly evicted (the host reclaims clean page cache as it needs): the chunks
         # still cached are read there, the rest past the page cache, and neither is
@@ -243,7 +256,7 @@ async def test_a_template_that_cannot_be_warmed_says_so_and_stays_cold(
         tmp_path, cgroups_here, caplog) -> None:
     template_cgroup, _, _ = cgroups_here
     q = vm_config(template_cgroup=template_cgroup).qemu
-    assert not await cache.warm(q, str(tmp_path / "gone.ram"))
+    assert not await cache.warm(q, str(tmp_path / "gone.ram"), ())
     assert "not kept in the page cache" in caplog.text and "No such file" in caplog.text
     fifo = tmp_path / "fifo.ram"
     os.mkfifo(fifo)  # no O_NOFOLLOW trouble, but no data extents to seek: refused

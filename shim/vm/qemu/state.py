@@ -28,7 +28,7 @@ async def load(qmp: QMPClient, execute: Execute, saved: SavedVM,
     meanwhile, is there (the devices' state refers to it), through a pipe QEMU gets over
     QMP. What needs no RAM (the state's read, the migration's settings) is done first,
     while the copy, the longer, goes on."""
-    data = await asyncio.to_thread(stateload.read_state, saved.state, saved.state_sha256)
+    data = await asyncio.to_thread(stateload.read_state, saved.state, saved.state_digests)
     await qmp.execute("migrate-set-capabilities", {"capabilities": SAVE_CAPS})
     # No self-announcement once loaded: QEMU would send reverse-ARP frames from the
     # template's MACs on every restored pod's network before Resume gives the NICs the

@@ -9,8 +9,10 @@ pages went is read from disk again, past the page cache (shim/vm/memcopy.py), un
 is warmed again.
 
 A template is warmed by a process placed in that cgroup, which reads its memory's data
-(memcopy.py --warm): after it is made (shim/vm/template/maker.py), and after a pod
-restored it from disk (shim/vm/template/restore.py), off every pod's path. A pod's copier
+and checks each chunk against its digest (memcopy.py --warm: a pod's copy takes what is
+in the page cache as checked, while the file is unchanged): after it is made
+(shim/vm/template/maker.py), and after a pod restored it from disk
+(shim/vm/template/restore.py), off every pod's path. A pod's copier
 reads a warm template from the page cache without being charged for it: a page is
 charged to the cgroup that brought it in, not to the ones that read it later."""
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from typing import Sequence
 
 import cgroups
 from cgroups import CgroupLimits, SandboxCgroup, SandboxLayout
@@ -38,10 +41,12 @@ def layout(q: HypervisorConfig) -> SandboxLayout:
     return SandboxLayout(q.template_cgroup, NAME)
 
 
-async def warm(q: HypervisorConfig, memory: str) -> bool:
+async def warm(q: HypervisorConfig, memory: str, digests: Sequence[str]) -> bool:
     """The template memory file `memory` in the page cache, charged to the cache's cgroup
-    (made where it is not); True when it is there. What goes wrong is logged, not raised:
-    a template that is not warm is read from disk."""
+    (made where it is not), each chunk read into it checked against its `digests` (a
+    restore takes what is there as checked: memcopy.copy); True when it is there. What
+    goes wrong is logged, not raised: a template that is not warm is read from disk, and
+    one that changed is left out of the page cache, for the restore to refuse."""
     if await asyncio.to_thread(stateload.resident, memory):
         return True
     warmer = None
@@ -52,9 +57,9 @@ async def warm(q: HypervisorConfig, memory: str) -> bool:
                                     memory_limit_bytes=q.template_max_mib << 20), manager)
         warmer = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", memcopy.__file__, "--warm", memory,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, preexec_fn=cgroup.preexec())
-        _, said = await warmer.communicate()
+        _, said = await warmer.communicate(",".join(digests).encode())
     except (OSError, cgroups.CgroupError) as exc:
         log.warning("template memory %s not kept in the page cache: %s", memory, exc)
         return False

@@ -32,7 +32,7 @@ from ...host.capacity import capacity
 from ...host.cleanup import remove_parent_if_empty
 from ...host.podstate import CgroupState
 from ...network.model import PlaceholderNic
-from ..hypervisor import VMSpec
+from ..hypervisor import RestoreFailed, VMSpec
 from . import cache, ledger, store, template as templates
 
 log = logging.getLogger("podvm.templatemaker")
@@ -205,7 +205,12 @@ async def _make_in_cgroup(template: templates.Template, shape: VMSpec,
         if record is not None:
             record(None)
     if template.exists():  # for the next pod, which copies it from RAM
-        await cache.warm(q, template.memory)
+        try:
+            saved = template.saved()
+        except RestoreFailed as exc:  # a restore finds it too, and discards it
+            log.warning("%s", exc)
+            return
+        await cache.warm(q, saved.memory, saved.memory_digests)
 
 
 async def make_in_background(shape: VMSpec, sandbox_id: str, record: Record,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ...host.cgroup import HostCgroup
     from ...network.model import TapNic
     from ..agent import Agent
-    from ..hypervisor import VM
+    from ..hypervisor import VM, SavedVM
 
 log = logging.getLogger("podvm.machine")
 
@@ -46,8 +46,8 @@ class Restorer:
         self._untemplated: VMSpec | None = None
         """The shape of a VM that booted for want of a template (make_template)."""
         self._template_maker: asyncio.Task | None = None
-        self._cold: tuple[HypervisorConfig, str] | None = None
-        """The configuration and memory file of the template restored not wholly from the
+        self._cold: tuple[HypervisorConfig, SavedVM] | None = None
+        """The configuration and saved VM of the template restored not wholly from the
         page cache, to warm once its guest resumed."""
         self._warming: asyncio.Task | None = None
         self._ahead: tuple[str, MemoryCopy] | None = None
@@ -110,9 +110,8 @@ class Restorer:
                 restored = vmm.create(dataclasses.replace(shape, template=True))
                 launching(restored)
                 try:
-                    await restored.launch(
-                        preexec=preexec, memory=memory,
-                        restore_from=memory.saved if memory else template.saved())
+                    saved = memory.saved if memory else template.saved()
+                    await restored.launch(preexec=preexec, memory=memory, restore_from=saved)
                     # "" where the VM copied it itself: cache.warm looks then
                     chunks = memory.chunks if memory is not None else ""
                     log.info("sandbox %s: VM restored from template %s%s", self.id,
@@ -121,7 +120,7 @@ class Restorer:
                              f"from the page cache, copied in {memory.seconds:.3f}s"
                              if chunks and memory is not None else "")
                     if not chunks or "0" in chunks:
-                        self._cold = shape.hypervisor, template.memory
+                        self._cold = shape.hypervisor, saved
                     template.record_use()
                     return template
                 except RestoreFailed as exc:
@@ -168,4 +167,6 @@ class Restorer:
             raise
         log.info("sandbox %s: guest resumed in %.2fs", self.id, time.monotonic() - started)
         if self._cold is not None and self._warming is None:  # off this pod's path now
-            self._warming = asyncio.create_task(cache.warm(*self._cold))
+            q, saved = self._cold
+            self._warming = asyncio.create_task(cache.warm(q, saved.memory,
+                                                           saved.memory_digests))

@@ -23,7 +23,7 @@ from ...host import mounts
 
 log = logging.getLogger("podvm.template")
 
-FORMAT = 4
+FORMAT = 5
 """Bumped when what a template holds changes in a way its key does not show."""
 FILES = (".json", ".vmstate", ".vmstate.ram", ".uses")
 """A template's files, its metadata first: gone, it no longer exists (template.exists)."""

@@ -18,8 +18,11 @@ templates of files that changed are removed when the next one is saved.
 Whoever can change a template controls the guest of every later pod of its shape: the
 store must be root's alone and local, and is bounded (shim/vm/template/store.py); files
 are made new (O_EXCL, O_NOFOLLOW) and appear by rename, and `<key>.json` records each
-file's digest, which the restore checks as it reads (shim/vm/stateload.py): a template
-changed since it was saved is discarded, never loaded.
+file's digests (one per 2 MiB chunk), which the restore checks as it reads
+(shim/vm/stateload.py), and the memory file's stamp (inode, change time): a chunk the
+node keeps in its page cache was checked as it was read into it (shim/vm/template/
+cache.py) and is not hashed again while the file has that stamp. A template changed
+since it was saved is discarded, never loaded.
 
 What all pods restored from one template share, and Resume changes in each before any
 of its processes runs: the clock (stopped when the template was saved), the kernel's
@@ -85,8 +88,11 @@ class Template:
         its metadata cannot be read."""
         try:
             with open(self.meta) as f:
-                digests = json.load(f)["sha256"]
-            return SavedVM(self.state, digests["state"], digests["memory"])
+                meta = json.load(f)
+            digests = meta["sha256"]
+            inode, ctime = meta["memory_stamp"]
+            return SavedVM(self.state, tuple(map(str, digests["state"])),
+                           tuple(map(str, digests["memory"])), (int(inode), int(ctime)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise RestoreFailed(f"template {self.key}: no digests in {self.meta}: "
                                 f"{exc}") from None
@@ -135,12 +141,13 @@ class Template:
                 await vm.stop(timeout=2)
                 # seconds of disk and hashing: off the loop of the shim that may make it
                 digests = await asyncio.to_thread(_finish, tmp)
+                os.rename(memory_file(tmp), self.memory)
                 with _new_file(f"{self.meta}.tmp") as f:
                     json.dump({"format": store.FORMAT, "inputs": self.inputs,
                                "sha256": digests,
+                               "memory_stamp": memcopy.file_stamp(os.lstat(self.memory)),
                                "command": vm.command(), "made": time.time(),
                                "made_by": spec.sandbox_id}, f, indent=1)
-                os.rename(memory_file(tmp), self.memory)
                 os.rename(tmp, self.state)
                 os.rename(f"{self.meta}.tmp", self.meta)
             except (OSError, HypervisorError) as exc:
@@ -211,7 +218,7 @@ def of(spec: VMSpec) -> Template:
     return Template(q.template_path, digest.hexdigest()[:32], inputs)
 
 
-def _finish(state: str) -> dict[str, str]:
+def _finish(state: str) -> dict[str, list[str]]:
     """The saved VM's memory made sparse and settled; the digests of both files."""
     memcopy.dig_holes(memory_file(state))
     _settle(memory_file(state))
