@@ -8,10 +8,16 @@ from the disk again once the host dropped them)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 
+import pytest
+
 from shim.vm import memcopy, stateload
+from shim.vm.hypervisor import RestoreFailed
+from shim.vm.template import store
+from shim.vm.template.template import Template
 from testbed.loopfs import LoopFs
 from testbed.prereqs import require_root
 
@@ -174,3 +180,17 @@ def test_a_chunk_changed_on_the_disk_is_refused_by_the_copy_and_by_the_warm(
         wrong = memcopy.warm(str(memory), saved)
         assert "changed since it was saved (chunk 3:" in wrong, wrong
         assert "1" not in stateload.cached_chunks(str(memory)), "left in the page cache"
+
+
+def test_a_template_of_an_earlier_format_is_refused_with_its_reason(tmp_path) -> None:
+    """A template an earlier podvm saved (one SHA-256 per file, no stamp) is not read
+    as this one's: the restore says why, discards it, and the pod boots."""
+    meta = tmp_path / "k.json"
+    meta.write_text(json.dumps({"format": 4, "inputs": {},
+                                "sha256": {"state": "ab" * 32, "memory": "cd" * 32}}))
+    with pytest.raises(RestoreFailed, match=f"template k: format 4, not {store.FORMAT}"):
+        Template(str(tmp_path), "k", {}).saved()
+    meta.write_text(json.dumps({"format": store.FORMAT, "inputs": {},
+                                "sha256": {"state": ["ab" * 32], "memory": []}}))
+    with pytest.raises(RestoreFailed, match="no digests in .*memory_stamp"):
+        Template(str(tmp_path), "k", {}).saved()

@@ -89,6 +89,9 @@ class Template:
         try:
             with open(self.meta) as f:
                 meta = json.load(f)
+            if meta["format"] != store.FORMAT:  # made by another podvm: pruned by the next
+                raise RestoreFailed(f"template {self.key}: format {meta['format']!r}, "
+                                    f"not {store.FORMAT}")
             digests = meta["sha256"]
             inode, ctime = meta["memory_stamp"]
             return SavedVM(self.state, tuple(map(str, digests["state"])),
