@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from podvm_core.pb.cri import api_pb2 as cri
 
 from .criclient import CriClient, CriError
 from .crictlcontainers import (cmd_create, cmd_inspect, cmd_ps, cmd_rm, cmd_start, cmd_stats,
                                cmd_stop, cmd_update)
-from .crictlformat import ExitCode, Fatal, status_info, write
+from .crictlformat import ExitCode, Fatal, captured, status_info, stderr, stdout, write
 from .crictlimages import cmd_images, cmd_inspecti, cmd_pull
 from .crictlpods import cmd_inspectp, cmd_pods, cmd_rmp, cmd_runp, cmd_stopp
 from .crictlsettings import DEFAULT_CONFIG, resolve_settings
@@ -48,8 +49,16 @@ def cmd_info(c: CriClient, a: argparse.Namespace) -> None:
     write(status_info(r.status, dict(r.info)) + "\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, writing its help and errors where the commands write (captured())."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if message:
+            (stderr() if file is sys.stderr else stdout()).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="crictl", description="crictl-compatible CRI client (podvm tests)",
         epilog="Environment: CONTAINER_RUNTIME_ENDPOINT, IMAGE_SERVICE_ENDPOINT, "
                "CRI_CONFIG_FILE.")
@@ -166,14 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         runtime, image, timeout, debug = resolve_settings(args)
-        with CriClient(runtime, image, timeout, sys.stderr if debug else None) as client:
+        with CriClient(runtime, image, timeout, stderr() if debug else None) as client:
             args.fn(client, args)
     except ExitCode as exc:
         return exc.code
     except (Fatal, CriError, ValueError) as exc:
-        print(f"FATA[0000] {exc}", file=sys.stderr)
+        print(f"FATA[0000] {exc}", file=stderr())
         return 1
     return 0
+
+
+def run_here(argv: list[str]) -> tuple[int, bytes, bytes]:
+    """main(argv) in this process, as `python -m testbed.crictl` would run it: its exit
+    status, stdout and stderr. What it writes is its own even where other threads run
+    commands meanwhile (a context of its own: captured()). Not port-forward, which
+    serves until a signal."""
+    if "port-forward" in argv:
+        raise ValueError("port-forward runs as a process of its own")
+    with captured() as (out, err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse: --help, a usage error
+            status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        except Exception:  # as the interpreter ends a process on one: its trace, 1
+            stderr().write(traceback.format_exc())
+            status = 1
+    return status, out.getvalue(), err.getvalue()
 
 
 if __name__ == "__main__":

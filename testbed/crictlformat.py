@@ -3,10 +3,13 @@ pod and container configs from JSON (or YAML), tables, units and protobuf JSON l
 crictl's, and its `FATA[0000]` errors."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 import time
-from typing import Any, Iterable
+from contextvars import ContextVar
+from typing import Any, Iterable, Iterator, TextIO
 
 from google.protobuf import json_format, message
 
@@ -137,9 +140,41 @@ def status_info(status: message.Message, info: dict[str, str] | None = None) -> 
     return json.dumps(out, indent=2)
 
 
+_STREAMS: ContextVar[tuple[TextIO, TextIO] | None] = ContextVar("crictl_streams",
+                                                                default=None)
+"""Where a command run in a test's process writes (captured()); None: the process's."""
+
+
+def stdout() -> TextIO:
+    streams = _STREAMS.get()
+    return sys.stdout if streams is None else streams[0]
+
+
+def stderr() -> TextIO:
+    streams = _STREAMS.get()
+    return sys.stderr if streams is None else streams[1]
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[tuple[io.BytesIO, io.BytesIO]]:
+    """What the commands write in this thread's context, caught: the bytes of their
+    stdout and stderr, as a process's pipes would carry them."""
+    out, err = io.BytesIO(), io.BytesIO()
+    texts = (io.TextIOWrapper(out, write_through=True),
+             io.TextIOWrapper(err, write_through=True))
+    token = _STREAMS.set(texts)
+    try:
+        yield out, err
+    finally:
+        _STREAMS.reset(token)
+        for text in texts:
+            text.detach()  # the bytes stay the caller's to read
+
+
 def write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    out = stdout()
+    out.write(text)
+    out.flush()
 
 
 def load_message(path: str, msg: message.Message) -> message.Message:

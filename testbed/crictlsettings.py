@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 
-from .crictlformat import Fatal
+from .crictlformat import Fatal, stderr
 
 DEFAULT_CONFIG = "/etc/crictl.yaml"
 DEFAULT_ENDPOINTS = ("unix:///run/containerd/containerd.sock", "unix:///run/crio/crio.sock",
@@ -69,7 +68,7 @@ def resolve_settings(args: argparse.Namespace) -> tuple[str, str, float, bool]:
         runtime = next((e for e in DEFAULT_ENDPOINTS if os.path.exists(e[len("unix://"):])),
                        DEFAULT_ENDPOINTS[0])
         print(f"WARN[0000] runtime connect using default endpoint: {runtime}",
-              file=sys.stderr)
+              file=stderr())
     image = (args.image_endpoint or os.environ.get("IMAGE_SERVICE_ENDPOINT")
              or config.get("image-endpoint", "") or runtime)
     timeout_text = args.global_timeout or config.get("timeout", "")

@@ -4,13 +4,12 @@ streaming server: testbed/portforward.py)."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from podvm_core.pb.cri import api_pb2 as cri
 
 from .criclient import CriClient, CriError
-from .crictlformat import ExitCode, Fatal
+from .crictlformat import ExitCode, Fatal, stderr, stdout
 
 
 def cmd_exec(c: CriClient, a: argparse.Namespace) -> None:
@@ -26,10 +25,10 @@ def cmd_exec(c: CriClient, a: argparse.Namespace) -> None:
                                                      timeout=a.timeout), timeout=deadline)
     except CriError as exc:
         raise Fatal(f"execing command in container synchronously: {exc}") from None
-    sys.stdout.buffer.write(r.stdout)
-    sys.stdout.flush()
-    sys.stderr.buffer.write(r.stderr)
-    sys.stderr.flush()
+    stdout().buffer.write(r.stdout)
+    stdout().flush()
+    stderr().buffer.write(r.stderr)
+    stderr().flush()
     if r.exit_code != 0:
         raise ExitCode(r.exit_code)
 
@@ -94,7 +93,7 @@ def _log_records(data: bytes) -> list[tuple[str, str, bytes]]:
 
 def _emit(records: list[tuple[str, str, bytes]], timestamps: bool) -> None:
     for ts, stream, line in records:
-        out = sys.stderr if stream == "stderr" else sys.stdout
+        out = stderr() if stream == "stderr" else stdout()
         out.buffer.write((ts.encode() + b" " if timestamps else b"") + line)
         out.flush()
 

@@ -106,3 +106,37 @@ def test_inspectp_prints_the_pod_network_as_crictl_does() -> None:
     assert out["status"]["network"] == {"ip": "10.1.2.3",
                                         "additionalIps": [{"ip": "fd00::3"}]}
     assert out["info"] == {"pid": 1}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["bogus"],
+    ["-r", "unix:///nonexistent/cri.sock", "--timeout", "1s", "version"],
+    ["-r", "unix:///nonexistent/cri.sock", "exec", "-s", "x"],
+])
+def test_a_command_run_in_the_tests_process_says_what_its_process_says(argv) -> None:
+    """testbed/cri.py runs our crictl in the test's process (run_here): the same status,
+    stdout and stderr as `python -m testbed.crictl`."""
+    proc = subprocess.run([sys.executable, "-m", "testbed.crictl", *argv],
+                          capture_output=True, cwd=REPO_ROOT)
+    assert cli.run_here(argv) == (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_commands_run_at_once_in_threads_keep_their_output_apart() -> None:
+    """Tests start pods from threads (e2e/test_scale.py): each run's output is its own."""
+    import threading
+
+    got: dict[int, tuple[int, bytes, bytes]] = {}
+
+    def run(n: int) -> None:
+        got[n] = cli.run_here(["-r", f"unix:///nonexistent/{n}.sock", "--timeout", "1s",
+                               "version"])
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for n, (status, out, err) in got.items():
+        assert status == 1 and out == b"" and err.count(b"FATA") == 1, err
+        assert f"/nonexistent/{n}.sock".encode() in err
