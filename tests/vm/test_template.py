@@ -342,6 +342,9 @@ def made(tmp_path_factory) -> templates.Template:
     asyncio.run(template.make(spec, None))
     assert template.exists() and not os.path.exists(spec.workdir + "-template")
     assert json.loads(open(template.meta).read())["made_by"] == "maker"
+    for path in (template.state, template.memory, template.meta):  # not the maker's QEMU's
+        st = os.stat(path)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600), path
     return template
 
 

@@ -236,9 +236,12 @@ def _new_file(path: str):
 
 def _settle(path: str) -> None:
     """The template's memory on disk, and out of the page cache (the pod that made it
-    would be charged for it): its VM, which wrote it through a shared mapping, is gone."""
+    would be charged for it): its VM, which wrote it through a shared mapping, is gone.
+    The file is the shim's again: the maker's jailed QEMU owned it (JailId.give), and
+    that uid goes back to the node's pool, for the next pod's QEMU."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
+        os.fchown(fd, os.getuid(), os.getgid())
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
