@@ -167,6 +167,7 @@ def test_a_chunk_changed_on_the_disk_is_refused_by_the_copy_and_by_the_warm(
         with open(disk.image, "r+b") as f:
             f.seek(at)
             f.write(bytes(b ^ 0xFF for b in marker[:8]))
+            os.fsync(f.fileno())  # on the disk, whichever way the loop device reads it
         assert memcopy.file_stamp(os.stat(memory)) == stamp, "unchanged to the file system"
 
         resident = stateload.cached_chunks(str(memory))
