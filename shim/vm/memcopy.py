@@ -107,6 +107,14 @@ def pieces(fd: int, digests: Digests | None, buffer: memoryview):
         yield offset, chunk
 
 
+def file_digests(fd: int) -> list[str]:
+    """The digests of the file open as `fd`, read whole (Digests)."""
+    digests = Digests(os.fstat(fd).st_size)
+    for _ in pieces(fd, digests, memoryview(mmap.mmap(-1, CHUNK))):
+        pass
+    return digests.result()
+
+
 def _ignore(header: bytes) -> None:
     pass
 
@@ -234,8 +242,8 @@ def _open_direct(path: str) -> tuple[int, bool]:
         return os.open(path, READ_FLAGS), False
 
 
-def copy(path: str, size: int, saved: list[str], memfd: int, resident: str = "",
-         stamp: tuple[int, int] = (0, 0), stopped=lambda: False) -> str:
+def copy(path: str, size: int, saved: list[str] | tuple[str, ...], memfd: int,
+         resident: str = "", stamp: tuple[int, int] = (0, 0), stopped=lambda: False) -> str:
     """`path` into `memfd`; "" when done and each chunk still has its `saved` digest,
     else what is wrong. `resident`: a character for each CHUNK of the file, "1" where the
     shim found all its data in the host's page cache: read from there, and left there
@@ -289,17 +297,14 @@ def file_stamp(st: os.stat_result) -> tuple[int, int]:
     return st.st_ino, st.st_ctime_ns
 
 
-def warm(path: str, saved: list[str]) -> str:
+def warm(path: str, saved: list[str] | tuple[str, ...]) -> str:
     """`path`'s data read into the host's page cache (charged to the caller's cgroup),
     each chunk checked against its `saved` digest; its holes are not read, so they take
     no page there. "" when it is unchanged; else what changed, and nothing of it is
     left in the page cache (a copy would take what is there as checked)."""
     fd = os.open(path, READ_FLAGS)
     try:
-        digests = Digests(os.fstat(fd).st_size)
-        for _ in pieces(fd, digests, memoryview(mmap.mmap(-1, CHUNK))):
-            pass
-        wrong = changed(path, digests.result(), saved)
+        wrong = changed(path, file_digests(fd), saved)
         if wrong:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return wrong
@@ -307,7 +312,7 @@ def warm(path: str, saved: list[str]) -> str:
         os.close(fd)
 
 
-def changed(path: str, got: list[str], saved: list[str]) -> str:
+def changed(path: str, got: list[str], saved: list[str] | tuple[str, ...]) -> str:
     """What to say where the chunks' digests `got` (Digests.result) are not those `path`
     was saved with; "" where they are (a chunk seen and not hashed had data then)."""
     if len(got) != len(saved):

@@ -37,10 +37,7 @@ def digest(path: str) -> list[str]:
     data)."""
     fd = memcopy.open_direct(path)
     try:
-        digests = memcopy.Digests(os.fstat(fd).st_size)
-        for _ in memcopy.pieces(fd, digests, memoryview(mmap.mmap(-1, memcopy.CHUNK))):
-            pass
-        return digests.result()
+        return memcopy.file_digests(fd)
     finally:
         os.close(fd)
 
@@ -92,7 +89,7 @@ def read_state(path: str, saved: list[str] | tuple[str, ...]) -> bytes:
             os.close(fd)
     except OSError as exc:
         raise RestoreFailed(f"cannot read the template {path}: {exc.strerror}") from None
-    wrong = memcopy.changed(path, digests.result(), list(saved))
+    wrong = memcopy.changed(path, digests.result(), saved)
     if wrong:
         raise RestoreFailed(f"the template file {wrong}")
     return data
@@ -136,7 +133,7 @@ async def _copy_here(saved: SavedVM, memfd: int, size: int, chunks: str) -> str:
     before its next chunk and is waited for."""
     stop = threading.Event()
     copying = asyncio.ensure_future(asyncio.to_thread(
-        memcopy.copy, saved.memory, size, list(saved.memory_digests), memfd, chunks,
+        memcopy.copy, saved.memory, size, saved.memory_digests, memfd, chunks,
         saved.memory_stamp, stop.is_set))
     try:
         return await asyncio.shield(copying)
