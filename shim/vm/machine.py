@@ -4,8 +4,9 @@ directory with every container's rootfs and files, the taps. The Pod (shim/pod/p
 owns one Machine per boot and calls it; nothing else reaches into it. The Machine holds
 where the VM's threads run in a VMThreads (shim/cpus/vmthreads.py), the plan in force and
 its steps in a VMResizer (shim/vm/resize.py), its templates in a Restorer
-(shim/vm/template/restore.py) and its network in a VMNetwork (shim/vm/vmnetwork.py),
-handing each the VM and agent it acts on.
+(shim/vm/template/restore.py), its network in a VMNetwork (shim/vm/vmnetwork.py) and its
+scratch disk in a VMScratch (shim/vm/scratchgrow.py), handing each the VM and agent it
+acts on.
 
 Everything made on the host is recorded in `sandbox.json` before it is made, so that
 `delete` can remove it after a crash from that file alone."""
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from ..config import Config
 from ..cpus.vmthreads import VMThreads
-from ..host import diskreserve, mounts, paths, podlogdisk
+from ..host import diskreserve, mounts, paths
 from ..host.cgroup import HostCgroup, layout_for
 from ..host.cleanup import remove_tree
 from ..host.mounts import Mount
@@ -28,10 +29,11 @@ from ..host.podstate import PodState, state_path
 from ..host.processes import start_time
 from ..host.share import Share
 from ..resources import SandboxPlan
-from . import guestspec, scratchgrow, vmm, vmmlog, workdir
+from . import guestspec, vmm, vmmlog, workdir
 from .agent import Agent
 from .hypervisor import VM, HypervisorError, VMSpec
 from .resize import VMResizer
+from .scratchgrow import VMScratch
 from .template import template as templates
 from .template.restore import Restorer
 from .vmnetwork import VMNetwork
@@ -59,8 +61,6 @@ class Machine:
         metrics. `log_directory`: kubelet's directory of the pod's logs, where its scratch
         disk is shown (shim/host/podlogdisk.py)."""
         self.id = sandbox_id
-        self._log_directory = log_directory
-        self._disk_shown: podlogdisk.Shown | None = None
         self.config = config
         self.cgroup = HostCgroup(layout_for(cgroups_path, sandbox_id),
                                  shim_in_sandbox=config.runtime.sandbox_cgroup_only,
@@ -80,6 +80,7 @@ class Machine:
         self.restorer = Restorer(sandbox_id, self.cgroup,
                                  config.runtime.static_sandbox_resource_mgmt, self.record)
         self.network = VMNetwork(sandbox_id, netns, network_worker, self.record)
+        self.scratch = VMScratch(sandbox_id, log_directory, self.record)
 
     @property
     def plan(self) -> SandboxPlan:
@@ -178,16 +179,10 @@ class Machine:
             info = await self._connect(template, vm)
             self.record(restored_from=template.key if template is not None else "",
                         boot_seconds=time.monotonic() - started)
-            self.resizer.record_vm(info.online_cpus, info.memory_total_bytes,
-                                   await self.vm.size())
-            if template is not None:
-                await self.resizer.grow_restored(self.vm, self.agent)
+            await self.resizer.fit_booted(self.vm, self.agent, info.online_cpus,
+                                          info.memory_total_bytes, template is not None)
             if self.has_scratch_disk:
-                self.record(scratch_inode=scratchgrow.inode(self.vm))
-                await scratchgrow.grow(self.vm, self.agent, self.plan.disk_mib)
-                if self._log_directory:
-                    self._disk_shown = podlogdisk.show(scratchgrow.path(self.vm),
-                                                       self._log_directory, self.id)
+                await self.scratch.grow_and_show(self.vm, self.agent, self.plan.disk_mib)
         except BaseException as exc:
             await asyncio.gather(made, return_exceptions=True)  # made whole, or not at all
             await self._boot_failed(vm, exc)
@@ -322,8 +317,7 @@ class Machine:
         await self.restorer.cancel_background()  # its VM stopped, its files gone
         if self.vm is not None:
             await self.vm.stop(timeout=5)
-        podlogdisk.hide(self._disk_shown)  # the disk's blocks free with its last name
-        self._disk_shown = None
+        self.scratch.hide()
         await self.restorer.drop_ahead()  # its copier is in the sandbox cgroup
 
 

@@ -88,12 +88,16 @@ class VMResizer:
         if failure is not None:
             raise failure
 
-    async def grow_restored(self, vm: VM, agent: Agent) -> None:
-        """A VM restored from its class's template (shim/vm/template/template.py, base_of)
-        grown to the plan's vCPUs and memory by the hot-plug of resize(), before any
-        container runs; one already the plan's size is left as it is."""
+    async def fit_booted(self, vm: VM, agent: Agent, online_cpus: int,
+                         memory_total_bytes: int, restored: bool) -> None:
+        """The VM up: what its guest reports (`online_cpus`, `memory_total_bytes`) and
+        QEMU's size recorded; a VM `restored` from its class's template
+        (shim/vm/template/template.py, base_of) then grown to the plan's vCPUs and memory
+        by the hot-plug of resize(), before any container runs (one already the plan's
+        size is left as it is)."""
+        self.record_vm(online_cpus, memory_total_bytes, await vm.size())
         vcpus, memory = vm.spec.vcpus, vm.spec.memory_mib
-        if (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
+        if not restored or (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
             return
         started = time.monotonic()
         await self.resize(vm, agent, PlanDelta(plan=self.plan,

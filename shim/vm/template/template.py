@@ -197,7 +197,7 @@ def base_of(spec: VMSpec, vcpus: int, memory_mib: int) -> VMSpec:
     configuration's default `vcpus` and `memory_mib` (the size of a pod that asks for
     nothing), plus the part of its memory that whole hot-plug blocks cannot add. The pod's
     own size is reached after the restore by the hot-plug that UpdateContainer uses
-    (VMResizer.grow_restored in shim/vm/resize.py), so pods whose limits differ by
+    (VMResizer.fit_booted in shim/vm/resize.py), so pods whose limits differ by
     whole blocks of memory (128Mi, 1Gi, ...) or by vCPUs share one template, and the VM
     still has exactly the plan's size. Never larger than `spec`."""
     if spec.memory_mib > memory_mib:
