@@ -74,9 +74,8 @@ class Restorer:
         template = templates.of(shape)
         try:
             if template.exists():
-                saved = template.saved()
                 self._ahead = template.key, MemoryCopy(
-                    saved, shape.memory_mib << 20, self._cgroup.preexec, made)
+                    template.saved(), shape.memory_mib << 20, self._cgroup.preexec, made)
                 log.info("sandbox %s: template %s's memory copied ahead, as the network "
                          "is attached", self.id, template.key)
         except (OSError, RestoreFailed) as exc:
