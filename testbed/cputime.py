@@ -13,43 +13,35 @@ import collections
 import os
 import time
 
+import psutil
 import pytest
 
 SHOWN = 40
 """Files listed, the longest first."""
 
 
-def cpu_times(text: str) -> dict[str, tuple[float, float]]:
-    """Each CPU's (busy, idle) seconds since boot from /proc/stat's text, by name
-    ("cpu0", ...; the sum line "cpu" left out). Idle is idle and iowait; busy the rest
-    of the eight times Linux counts there (guest time is within user time)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    times = {}
-    for line in text.splitlines():
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu":
-            continue
-        values = [int(v) for v in fields[:8]]
-        idle = values[3] + values[4]
-        times[name] = ((sum(values) - idle) / tick, idle / tick)
+def cpu_times() -> list[tuple[float, float]]:
+    """Each CPU's (busy, idle) seconds since boot, by CPU number, as psutil reads them
+    from /proc/stat: idle is idle and iowait, busy the rest (guest time is within user
+    time there, so it is not counted again)."""
+    times = []
+    for cpu in psutil.cpu_times(percpu=True):
+        idle = cpu.idle + cpu.iowait
+        busy = cpu.user + cpu.nice + cpu.system + cpu.irq + cpu.softirq + cpu.steal
+        times.append((busy, idle))
     return times
 
 
-def _now() -> tuple[float, dict[str, tuple[float, float]]]:
-    with open("/proc/stat") as f:
-        return time.monotonic(), cpu_times(f.read())
-
-
-_tests: list[tuple[str, float, dict[str, tuple[float, float]]]] = []
+_tests: list[tuple[str, float, list[tuple[float, float]]]] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    started, before = _now()
+    started, before = time.monotonic(), cpu_times()
     yield
-    ended, after = _now()
-    spent = {cpu: (after[cpu][0] - before[cpu][0], after[cpu][1] - before[cpu][1])
-             for cpu in after if cpu in before}
+    ended, after = time.monotonic(), cpu_times()
+    spent = [(busy - was_busy, idle - was_idle)
+             for (was_busy, was_idle), (busy, idle) in zip(before, after)]
     _tests.append((item.nodeid, ended - started, spent))
 
 
@@ -60,14 +52,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if out:
         with open(out, "w") as f:
             for nodeid, wall, spent in _tests:
-                cpus = sorted(spent, key=lambda c: int(c[3:]))
                 f.write("\t".join([nodeid, f"{wall:.2f}"] + [
-                    f"{spent[c][0]:.2f}\t{spent[c][1]:.2f}" for c in cpus]) + "\n")
+                    f"{busy:.2f}\t{idle:.2f}" for busy, idle in spent]) + "\n")
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for nodeid, wall, spent in _tests:
         row = files[nodeid.split("::")[0]]
         row[0] += wall
-        row[1] += sum(idle for _, idle in spent.values())
+        row[1] += sum(idle for _, idle in spent)
         row[2] += 1
     wall = sum(row[0] for row in files.values())
     idle = sum(row[1] for row in files.values())
