@@ -67,6 +67,19 @@ def alive(pid: int) -> bool:
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
 
 
+def open_files(pid: int) -> list[str]:
+    """What `pid` holds open. A running daemon opens and closes files as it works (a module
+    while it imports, a file it reads): one closed between listing and reading its link is
+    one it no longer holds."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links
+
+
 async def wait_gone(pid: int, timeout: float = 5) -> None:
     deadline = time.monotonic() + timeout
     while alive(pid) and time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.contract import forkclient, forkserver, identity
 from testbed.shimproc import (NS, PARENT, WORKER, alive, make_bundle,
-                              network_workers, processes, run_shim, socket_fds,
+                              network_workers, open_files, processes, run_shim, socket_fds,
                               socket_peers)
 
 TASK = "containerd.task.v2.Task"
@@ -116,7 +116,7 @@ async def test_a_start_served_by_the_fork_server_gives_a_working_daemon(
     own_ns = os.readlink(f"/proc/{pid}/ns/mnt")  # the pod's own mount namespace
     assert own_ns not in (os.readlink("/proc/self/ns/mnt"),
                           os.readlink(f"/proc/{server}/ns/mnt"))
-    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    links = open_files(pid)
     assert not [link for link in links if link.startswith("pipe:") or where in link], links
     async with await Client.connect(state["address"]) as client:
         reply = await client.call(TASK, "Connect", api.ConnectRequest(id="sb2"),

@@ -18,8 +18,8 @@ from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import Client, Code, TtrpcError
 from shim.host import paths
 from testbed.containerd import shims_of
-from testbed.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers, run_shim,
-                              wait_gone)
+from testbed.shimproc import (NS, SHIM, alive, daemon_pid, make_bundle, network_workers,
+                              open_files, run_shim, wait_gone)
 
 TASK = "containerd.task.v2.Task"
 
@@ -44,18 +44,6 @@ def mount_points(pid: int | str) -> set[str]:
     """What is mounted in the mount namespace of `pid` (the daemon's: the pod's)."""
     with open(f"/proc/{pid}/mountinfo") as f:
         return {line.split()[4] for line in f}
-
-
-def open_files(pid: int) -> list[str]:
-    """What `pid` holds open. The daemon is still coming up (importing): a file it closes
-    between listing and reading its link is one it no longer holds."""
-    links = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except FileNotFoundError:
-            pass
-    return links
 
 
 def test_start_prints_only_the_address_and_detaches(started) -> None:
