@@ -121,15 +121,20 @@ def network_workers(daemon_pid: int) -> list[int]:
 
 
 def socket_fds(pid: int) -> dict[int, int]:
-    """`pid`'s descriptors that are sockets, and their inodes."""
+    """`pid`'s descriptors that are sockets, and their inodes: none of a process gone, and
+    each of the others it holds however many it closes meanwhile (see `open_files`)."""
     fds = {}
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:["):
-                fds[int(fd)] = int(link[8:-1])
+        names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        pass
+        return fds
+    for fd in names:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            fds[int(fd)] = int(link[8:-1])
     return fds
 
 

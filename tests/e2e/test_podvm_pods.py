@@ -45,7 +45,10 @@ def scratch_disk(qemu: int, size_mib: int) -> str:
     held = {}
     for fd in os.listdir(f"/proc/{qemu}/fd"):
         path = f"/proc/{qemu}/fd/{fd}"
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue  # closed meanwhile: not the disk, which QEMU holds for the VM's life
         if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1 and st.st_size == size_mib << 20:
             held[(st.st_dev, st.st_ino)] = path
     assert len(held) == 1, f"QEMU {qemu} holds {len(held)} disks of {size_mib} MiB"
