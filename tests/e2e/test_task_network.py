@@ -6,7 +6,6 @@ leaves neither tap nor ingress qdisc in the namespace. Both namespaces are the t
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 import subprocess
 import time
@@ -17,7 +16,7 @@ import pytest
 
 from podvm_core.pb.containerd.task.v2 import shim_pb2 as api
 from podvm_core.ttrpc import TtrpcError
-from testbed.shimproc import daemon_pid
+from testbed.shimproc import daemon_pid, open_files
 from testbed.taskshim import (NS, Fifos, busybox_rootfs, call, create, shim_daemon, task_shim,
                               workload_bundle)
 from testbed.vmconfig import vm_config, warm
@@ -144,8 +143,7 @@ async def test_an_attach_that_fails_while_the_template_is_copied_leaves_nothing(
                    if any(a.endswith("/shim/vm/memcopy.py") for a in p.info["cmdline"] or [])]
         assert copiers == []
         daemon = daemon_pid(NS, "sb")  # up: containerd has not deleted it yet
-        fds = pathlib.Path(f"/proc/{daemon}/fd")
-        memfds = [os.readlink(fd) for fd in fds.iterdir() if "memfd:" in os.readlink(fd)]
+        memfds = [link for link in open_files(daemon) if "memfd:" in link]
         assert memfds == []  # the guest's RAM it filled is closed
         pod_cgroup = shim["cgroups_path"].rsplit("/", 1)[0].strip("/")
         for hierarchy in ("memory", "cpu", "cpuset"):

@@ -436,5 +436,11 @@ async def test_a_template_changed_since_it_was_saved_is_never_loaded(
 
 
 def _live_children() -> set[int]:
-    return {c.pid for c in psutil.Process().children(recursive=True)
-            if c.is_running() and c.status() != psutil.STATUS_ZOMBIE}
+    live = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                live.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass  # gone between listing and asking: not live
+    return live

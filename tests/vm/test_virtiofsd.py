@@ -19,6 +19,7 @@ from shim.vm.agent import Agent
 from shim.vm.hypervisor import HypervisorError, MissingFile, ThreadRole
 from shim.vm.qemu import command as qemu_command
 from shim.vm.qemu.driver import QemuVM
+from testbed.shimproc import alive
 from testbed.vmconfig import VIRTIOFS_DAEMONS, virtiofs_daemon
 from tests.vm.test_qemu import spec
 
@@ -108,7 +109,7 @@ async def test_a_start_under_way_is_given_up_by_stop_and_its_error_kept_for_read
     pid = server.pid
     assert pid and psutil.pid_exists(pid)
     await server.stop(timeout=0.5)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not alive(pid)  # gone, or a zombie its parent has yet to reap
     assert server._starting is None
     fails = tmp_path / "fails"
     fails.write_text("#!/bin/sh\necho 'cannot open the shared directory' >&2\nexit 4\n")
@@ -176,4 +177,4 @@ async def test_each_daemon_gets_the_words_its_capabilities_announce(tmp_path, mo
     hung = _daemon(tmp_path, "echo $$ > " + str(tmp_path / "pid") + "; exec sleep 60")
     assert not await virtiofsd.separate_options(hung)
     pid = int((tmp_path / "pid").read_text())
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not alive(pid)  # gone, or a zombie its parent has yet to reap
