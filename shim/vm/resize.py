@@ -36,7 +36,7 @@ class VMResizer:
         self.plan = plan
         """The plan in force."""
         self.report: VMReport | None = None
-        """What the guest and QEMU said last (record_vm)."""
+        """What the guest and QEMU said last (_record_vm)."""
         self._cgroup = cgroup
         self._threads = threads
         self._record = record
@@ -95,7 +95,7 @@ class VMResizer:
         (shim/vm/template/template.py, base_of) then grown to the plan's vCPUs and memory
         by the hot-plug of resize(), before any container runs (one already the plan's
         size is left as it is)."""
-        self.record_vm(online_cpus, memory_total_bytes, await vm.size())
+        self._record_vm(online_cpus, memory_total_bytes, await vm.size())
         vcpus, memory = vm.spec.vcpus, vm.spec.memory_mib
         if not restored or (vcpus, memory) == (self.plan.vcpus, self.plan.memory_mib):
             return
@@ -107,16 +107,12 @@ class VMResizer:
                  "%.2fs", self.id, vcpus, memory, self.plan.vcpus, self.plan.memory_mib,
                  time.monotonic() - started)
 
-    def record_vm(self, online_cpus: int, memory_total_bytes: int,
-                  qemu_size: tuple[int, int] | None = None) -> None:
+    def _record_vm(self, online_cpus: int, memory_total_bytes: int,
+                   qemu_size: tuple[int, int]) -> None:
         """What the guest reports it has and what QEMU says it gave (vCPUs present,
         memory), next to the plan, for `podvmctl status` (which cannot ask QMP: the
         shim holds its only connection)."""
-        before = self.report
-        if qemu_size is None and before is not None:  # QEMU's last word still holds
-            qemu_vcpus, qemu_memory_mib = before.qemu_vcpus, before.qemu_memory_mib
-        else:
-            qemu_vcpus, qemu_memory_mib = qemu_size or (None, None)
+        qemu_vcpus, qemu_memory_mib = qemu_size
         self.report = VMReport(online_cpus=online_cpus,
                                memory_total_mib=memory_total_bytes >> 20, at=time.time(),
                                qemu_vcpus=qemu_vcpus, qemu_memory_mib=qemu_memory_mib)
@@ -127,7 +123,7 @@ class VMResizer:
         before = (self.report.memory_total_mib if self.report else 0) << 20
         info = await agent.online(
             cpus=vcpus, wait_memory_bytes=before + (added_mib << 20) if added_mib else 0)
-        self.record_vm(info.online_cpus, info.memory_total_bytes, await vm.size())
+        self._record_vm(info.online_cpus, info.memory_total_bytes, await vm.size())
         if info.online_cpus != vcpus:
             raise HypervisorError(f"the guest has {info.online_cpus} vCPUs online, not "
                                   f"{vcpus}")
