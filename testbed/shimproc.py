@@ -67,17 +67,22 @@ def alive(pid: int) -> bool:
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
 
 
-def open_files(pid: int) -> list[str]:
-    """What `pid` holds open. A running daemon opens and closes files as it works (a module
-    while it imports, a file it reads): one closed between listing and reading its link is
-    one it no longer holds."""
-    links = []
+def fd_links(pid: int) -> dict[int, str]:
+    """`pid`'s descriptors and what each links to. A running daemon opens and closes files
+    as it works (a module while it imports, a file it reads): one closed between listing
+    and reading its link is one it no longer holds, and is left out."""
+    links = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            links[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
         except FileNotFoundError:
             pass
     return links
+
+
+def open_files(pid: int) -> list[str]:
+    """What `pid` holds open (see `fd_links`)."""
+    return list(fd_links(pid).values())
 
 
 async def wait_gone(pid: int, timeout: float = 5) -> None:
@@ -121,21 +126,12 @@ def network_workers(daemon_pid: int) -> list[int]:
 
 
 def socket_fds(pid: int) -> dict[int, int]:
-    """`pid`'s descriptors that are sockets, and their inodes: none of a process gone, and
-    each of the others it holds however many it closes meanwhile (see `open_files`)."""
-    fds = {}
+    """`pid`'s descriptors that are sockets, and their inodes (none of a process gone)."""
     try:
-        names = os.listdir(f"/proc/{pid}/fd")
+        links = fd_links(pid)
     except OSError:
-        return fds
-    for fd in names:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            fds[int(fd)] = int(link[8:-1])
-    return fds
+        return {}
+    return {fd: int(link[8:-1]) for fd, link in links.items() if link.startswith("socket:[")}
 
 
 def _sockets(pid: int) -> set[int]:
